@@ -1,0 +1,1 @@
+"""dflash.client: DFlashClient (sync and asyncio) and the dflash-client CLI."""

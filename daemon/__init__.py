@@ -1,0 +1,1 @@
+"""dflash.daemon: dflashd, the worker, job queue, wire protocol and supervisor."""

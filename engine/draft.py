@@ -1,0 +1,272 @@
+"""The DFlash draft model: a small non-causal transformer fed with the target's hidden states.
+
+It has no embedding and no LM head of its own: block tokens are embedded with the target's
+embedding, and its final `norm` output goes through the target's LM head. Context features (K
+target layer outputs, concatenated) are projected once by `fc` + `hidden_norm`; in every layer
+the block's queries attend to [context ; block] keys/values, both made by that layer's own
+k_proj/v_proj. Only context K/V persist in the draft's cache; block K/V are dropped after the pass.
+
+Checkpoint format (published DFlash drafts): config.json with block_size and
+dflash_config {mask_token_id, target_layer_ids}; safetensors named fc.weight, hidden_norm.weight,
+norm.weight, layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight,
+layers.{i}.{input,post_attention}_layernorm.weight, layers.{i}.mlp.{gate,up,down}_proj.weight.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    num_target_layers: int = 0
+    model_type: str = "qwen3"
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DraftConfig":
+        dc = d.get("dflash_config") or {}
+        missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dc]
+        if missing:
+            raise ValueError(f"draft config.json lacks dflash_config.{', '.join(missing)}")
+        rope = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta") or 1e6
+        heads = d["num_attention_heads"]
+        known = {
+            "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "vocab_size", "block_size", "rms_norm_eps",
+            "rope_theta", "num_target_layers", "model_type", "dflash_config", "architectures",
+        }
+        return cls(
+            hidden_size=d["hidden_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            intermediate_size=d["intermediate_size"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads", heads),
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            vocab_size=d["vocab_size"],
+            target_layer_ids=list(dc["target_layer_ids"]),
+            mask_token_id=int(dc["mask_token_id"]),
+            block_size=int(d.get("block_size", 16)),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope),
+            num_target_layers=d.get("num_target_layers", 0),
+            model_type=d.get("model_type", "qwen3"),
+            extra={k: v for k, v in d.items() if k not in known},
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        extra = d.pop("extra")
+        d["dflash_config"] = {
+            "mask_token_id": d.pop("mask_token_id"),
+            "target_layer_ids": d.pop("target_layer_ids"),
+        }
+        d["architectures"] = ["DFlashDraftModel"]
+        d["tie_word_embeddings"] = False
+        d["layer_types"] = ["full_attention"] * self.num_hidden_layers
+        return {**extra, **d}
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = h, kv, hd
+        self.scale = hd**-0.5
+        self.q_proj = nn.Linear(d, h * hd, bias=False)
+        self.k_proj = nn.Linear(d, kv * hd, bias=False)
+        self.v_proj = nn.Linear(d, kv * hd, bias=False)
+        self.o_proj = nn.Linear(h * hd, d, bias=False)
+        self.q_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
+        self.rope = nn.RoPE(hd, traditional=False, base=cfg.rope_theta)
+
+    def _kv(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+        B, L, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return self.rope(k, offset=offset), v
+
+    def add_context(self, context: mx.array, cache: KVCache) -> None:
+        """Append projected context rows (at the next positions) to this layer's cache."""
+        k, v = self._kv(context, cache.offset)
+        cache.update_and_fetch(k, v)
+
+    def __call__(
+        self,
+        x: mx.array,
+        block_offset: int | mx.array,
+        cache: KVCache | None = None,
+        context: mx.array | None = None,
+        mask: mx.array | None = None,
+    ) -> mx.array:
+        """Block queries over [cached context ; explicit context ; block] keys, non-causal."""
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=block_offset)
+        kb, vb = self._kv(x, block_offset)
+        ks, vs = [], []
+        if cache is not None and cache.keys is not None:
+            kc, vc = cache.keys_and_values()
+            ks.append(kc)
+            vs.append(vc)
+        if context is not None:
+            kc, vc = self._kv(context, 0)
+            ks.append(mx.broadcast_to(kc, (B, *kc.shape[1:])))
+            vs.append(mx.broadcast_to(vc, (B, *vc.shape[1:])))
+        if ks:
+            kb = mx.concatenate([*ks, kb], axis=2)
+            vb = mx.concatenate([*vs, vb], axis=2)
+        out = mx.fast.scaled_dot_product_attention(q, kb, vb, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.self_attn = DraftAttention(cfg)
+        self.mlp = DraftMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def __call__(self, h, block_offset, cache=None, context=None, mask=None):
+        h = h + self.self_attn(self.input_layernorm(h), block_offset, cache, context, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDraft(nn.Module):
+    """The draft network. Call with block embeddings and new context features."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.config = cfg
+        k = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(k * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.layers = [DraftLayer(cfg) for _ in range(cfg.num_hidden_layers)]
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def make_cache(self) -> list[KVCache]:
+        return [KVCache() for _ in self.layers]
+
+    def project(self, features: mx.array) -> mx.array:
+        """Target features [B, C, K*D] -> context rows [B, C, D], shared by all layers."""
+        return self.hidden_norm(self.fc(features))
+
+    def add_context(self, features: mx.array, cache: list[KVCache]) -> None:
+        """Project new target feature rows and append their K/V to every layer's cache."""
+        ctx = self.project(features)
+        for layer, c in zip(self.layers, cache):
+            layer.self_attn.add_context(ctx, c)
+
+    def __call__(
+        self,
+        block_embeds: mx.array,
+        block_offset: int | mx.array,
+        cache: list[KVCache] | None = None,
+        context: mx.array | None = None,
+        mask: mx.array | None = None,
+    ) -> mx.array:
+        """Block hidden states after the final norm, [B, L, D]; feed them to the target's LM head.
+
+        `context` (already projected, positions 0..C-1) is the training path; inference uses
+        the cache filled by add_context().
+        """
+        h = block_embeds
+        caches = cache if cache is not None else [None] * len(self.layers)
+        for layer, c in zip(self.layers, caches):
+            h = layer(h, block_offset, c, context, mask)
+        return self.norm(h)
+
+
+def load_draft(path: str | Path, dtype: mx.Dtype | None = None) -> DFlashDraft:
+    """Load a draft directory in the published DFlash format."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"no config.json in draft directory {path}")
+    raw = json.loads(cfg_file.read_text())
+    cfg = DraftConfig.from_dict(raw)
+    model = DFlashDraft(cfg)
+    files = sorted(glob.glob(str(path / "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in draft directory {path}")
+    weights: dict[str, mx.array] = {}
+    for f in files:
+        weights.update(mx.load(f))
+    weights = {k.removeprefix("model."): v for k, v in weights.items()}
+    weights = {k: v for k, v in weights.items() if not k.startswith(("embed_tokens", "lm_head"))}
+    quant = raw.get("quantization")
+    if quant:
+        nn.quantize(
+            model,
+            group_size=quant["group_size"],
+            bits=quant["bits"],
+            class_predicate=lambda p, m: f"{p}.scales" in weights,
+        )
+    model.load_weights(list(weights.items()), strict=True)
+    if dtype is not None and not quant:
+        model.set_dtype(dtype)
+    model.eval()
+    mx.eval(model.parameters())
+    return model
+
+
+def save_draft(model: DFlashDraft, path: str | Path, extra_config: dict | None = None) -> None:
+    """Write the draft in the published format (config.json + model.safetensors)."""
+    from mlx.utils import tree_flatten
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = model.config.to_dict()
+    if extra_config:
+        cfg.update(extra_config)
+    weights = dict(tree_flatten(model.parameters()))
+    qlayers = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    if qlayers:
+        cfg["quantization"] = {"group_size": qlayers[0].group_size, "bits": qlayers[0].bits}
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def quantize_draft(model: DFlashDraft, bits: int = 4, group_size: int = 64) -> None:
+    """Quantize the draft's linear layers in place (the context projection stays full precision)."""
+    nn.quantize(
+        model,
+        group_size=group_size,
+        bits=bits,
+        class_predicate=lambda p, m: isinstance(m, nn.Linear)
+        and p != "fc"
+        and m.weight.shape[-1] % group_size == 0,
+    )

@@ -1,0 +1,118 @@
+"""Drafters: what proposes the B-1 tokens of a block. The DFlash draft, and an oracle.
+
+The engine sees one small interface: reset() per request, add_context() with the target
+features of newly committed tokens, and propose() for the block that follows an anchor.
+The oracle replays known greedy ids (optionally corrupted at chosen block positions): it is
+how tests pin acceptance exactly and how `dflash benchmark --oracle` measures the ceiling.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from .draft import DFlashDraft
+from .target import TargetModel
+
+
+class Drafter(Protocol):
+    block_size: int
+    layer_ids: list[int]
+
+    def reset(self) -> None: ...
+
+    def add_context(self, features: mx.array) -> None: ...
+
+    def propose(self, anchor: mx.array, anchor_pos: int) -> mx.array:
+        """Draft ids for positions anchor_pos+1 .. anchor_pos+B-1, shape (B-1,), lazy."""
+        ...
+
+
+class DFlashDrafter:
+    """The block-diffusion draft: one non-causal pass over [anchor, MASK x (B-1)]."""
+
+    def __init__(self, draft: DFlashDraft, target: TargetModel):
+        check_fit(draft, target)
+        self.draft = draft
+        self.target = target
+        self.block_size = draft.config.block_size
+        self.layer_ids = list(draft.config.target_layer_ids)
+        self._masks = mx.full((self.block_size - 1,), draft.config.mask_token_id, mx.int32)
+        self.cache: list[KVCache] = draft.make_cache()
+
+    def reset(self) -> None:
+        self.cache = self.draft.make_cache()
+
+    @property
+    def context_len(self) -> int:
+        return self.cache[0].offset
+
+    def add_context(self, features: mx.array) -> None:
+        self.draft.add_context(features.astype(self.draft.fc.weight.dtype), self.cache)
+
+    def propose(self, anchor: mx.array, anchor_pos: int) -> mx.array:
+        if self.context_len != anchor_pos:
+            raise RuntimeError(
+                f"draft context holds {self.context_len} rows, anchor is at {anchor_pos}"
+            )
+        block = mx.concatenate([anchor.reshape(1).astype(mx.int32), self._masks])[None]
+        h = self.draft(self.target.embed(block), anchor_pos, self.cache)
+        return mx.argmax(self.target.lm_head(h[:, 1:]), axis=-1)[0].astype(mx.int32)
+
+
+class OracleDrafter:
+    """Proposes the reference continuation (the target's own greedy ids), for tests/ceilings."""
+
+    def __init__(
+        self,
+        reference: Sequence[int],
+        prompt_len: int,
+        block_size: int = 16,
+        layer_ids: Sequence[int] = (0,),
+        corrupt_at: Sequence[int] = (),
+        vocab_size: int = 2,
+    ):
+        self.reference = list(reference)
+        self.prompt_len = prompt_len
+        self.block_size = block_size
+        self.layer_ids = list(layer_ids)
+        self.corrupt_at = set(corrupt_at)
+        self.vocab_size = vocab_size
+
+    def reset(self) -> None:
+        pass
+
+    def add_context(self, features: mx.array) -> None:
+        pass
+
+    def propose(self, anchor: mx.array, anchor_pos: int) -> mx.array:
+        start = anchor_pos + 1 - self.prompt_len
+        ids = []
+        for j in range(1, self.block_size):
+            i = start + j - 1
+            tok = self.reference[i] if 0 <= i < len(self.reference) else 0
+            if j in self.corrupt_at:
+                tok = (tok + 1) % self.vocab_size
+            ids.append(tok)
+        return mx.array(ids, dtype=mx.int32)
+
+
+def check_fit(draft: DFlashDraft, target: TargetModel) -> None:
+    """Refuse a draft that cannot work with this target, with the reason."""
+    cfg = draft.config
+    problems = []
+    if cfg.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {cfg.hidden_size} != target's {target.hidden_size}")
+    if cfg.vocab_size and cfg.vocab_size != target.vocab_size:
+        problems.append(f"vocab size {cfg.vocab_size} != target's {target.vocab_size}")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} out of range for {target.num_layers} layers")
+    if not 0 <= cfg.mask_token_id < target.vocab_size:
+        problems.append(f"mask_token_id {cfg.mask_token_id} outside the target's vocabulary")
+    if cfg.block_size < 2:
+        problems.append(f"block_size {cfg.block_size} < 2")
+    if problems:
+        raise ValueError("draft does not fit the target: " + "; ".join(problems))

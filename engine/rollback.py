@@ -1,0 +1,124 @@
+"""Rollback of the target's caches after a verify pass: one small adapter per cache kind.
+
+After the target verified a block of B tokens, only the anchor and the accepted drafts (n_keep
+of the B) are committed. Every cache must end up exactly as if only those n_keep tokens had been
+fed. How depends on the cache kind:
+
+- KVCache, QuantizedKVCache: lower the offset (trim).
+- RotatingKVCache (sliding window): a multi-token update leaves the buffer in temporal order
+  with the block at its end, so dropping the rejected tail is a slice. mlx-lm's own `trim`
+  refuses (or corrupts the ring) once the window has wrapped; this stays exact.
+- ArraysCache (Gated DeltaNet): restore from the verify tape (see tape.py), replaying only the
+  accepted steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import (
+    ArraysCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+)
+
+from .tape import Tape, gdn_module
+
+
+class UnsupportedCacheError(ValueError):
+    """The target uses a cache kind DFlash cannot roll back."""
+
+
+def cache_kind(cache: Any) -> str:
+    if isinstance(cache, RotatingKVCache):
+        return "rotating"
+    if isinstance(cache, QuantizedKVCache):
+        return "quantized"
+    if isinstance(cache, KVCache):
+        return "kv"
+    if isinstance(cache, ArraysCache):
+        return "gdn"
+    return type(cache).__name__
+
+
+SUPPORTED_KINDS = ("kv", "quantized", "rotating", "gdn")
+
+
+def check_supported(caches: Sequence[Any], layers: Sequence[Any]) -> None:
+    """Raise a clear error for a target whose cache kinds we cannot roll back."""
+    for i, (layer, c) in enumerate(zip(layers, caches)):
+        kind = cache_kind(c)
+        if kind not in SUPPORTED_KINDS:
+            raise UnsupportedCacheError(
+                f"layer {i} uses a {kind} cache; DFlash supports {', '.join(SUPPORTED_KINDS)}"
+            )
+        if kind == "gdn" and gdn_module(layer) is None:
+            raise UnsupportedCacheError(
+                f"layer {i} has an ArraysCache but no Gated DeltaNet module "
+                "(only GDN recurrent layers can be replayed)"
+            )
+
+
+def needs_tape(caches: Sequence[Any]) -> bool:
+    return any(isinstance(c, ArraysCache) for c in caches)
+
+
+def rewind(
+    caches: Sequence[Any],
+    layers: Sequence[Any],
+    n_keep: int,
+    block_len: int,
+    tape: Tape | None,
+) -> None:
+    """Leave every cache as if only the first n_keep of the block_len verified tokens were fed."""
+    n_drop = block_len - n_keep
+    if n_drop <= 0:
+        return
+    for layer, c in zip(layers, caches):
+        if isinstance(c, RotatingKVCache):
+            _rewind_rotating(c, n_drop)
+        elif isinstance(c, (KVCache, QuantizedKVCache)):
+            if c.trim(n_drop) != n_drop:
+                raise RuntimeError("KV cache held fewer tokens than the verified block")
+        elif isinstance(c, ArraysCache):
+            if tape is None:
+                raise RuntimeError("a recurrent cache needs a verify tape to roll back")
+            conv_state, state = tape.entry_for(gdn_module(layer)).replay(n_keep)
+            c[0], c[1] = conv_state, state
+        else:  # check_supported() runs before any cycle; this is a programming error
+            raise UnsupportedCacheError(f"no rollback for {type(c).__name__}")
+
+
+def _rewind_rotating(c: RotatingKVCache, n_drop: int) -> None:
+    if c.keys is None or c._idx != c.keys.shape[2]:
+        # Only a multi-token (concatenating) update precedes a rewind; its layout is temporal.
+        raise RuntimeError("rotating cache is not in temporal order after verify")
+    keep = c._idx - n_drop
+    c.keys = c.keys[..., :keep, :]
+    c.values = c.values[..., :keep, :]
+    c.offset -= n_drop
+    c._idx = keep
+
+
+def quantize_kv(caches: list[Any], bits: int | None, group_size: int = 64) -> None:
+    """Switch full-attention KV caches to quantized ones (mlx-lm's kv_bits), in place."""
+    if not bits:
+        return
+    for i, c in enumerate(caches):
+        if type(c) is KVCache:
+            caches[i] = c.to_quantized(group_size=group_size, bits=bits)
+
+
+def cache_offset(caches: Sequence[Any]) -> int:
+    """Tokens held by the attention caches (recurrent caches carry no offset)."""
+    for c in caches:
+        if hasattr(c, "offset"):
+            return int(c.offset)
+    return -1
+
+
+def evaluate(caches: Sequence[Any]) -> None:
+    """Materialise every cache array (used after prefill chunks to bound the graph)."""
+    mx.eval([c.state for c in caches])

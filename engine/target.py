@@ -1,0 +1,128 @@
+"""The target side of DFlash: any mlx-lm model, with hidden-state capture.
+
+mlx-lm models return only logits. DFlash needs the outputs of a few decoder layers as the
+draft's context features, so `TargetModel` swaps the class of those layer instances for a
+subclass that records the layer's output. The instance, its parameters and the logits stay
+exactly as they were: only a side channel is added.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from . import tape
+
+_CAPTURE_CLASSES: dict[type, type] = {}
+
+
+def _capturing_class(cls: type) -> type:
+    """A subclass of a decoder-layer class whose call also records its output."""
+    if cls not in _CAPTURE_CLASSES:
+
+        def __call__(self, *args, **kwargs):
+            out = cls.__call__(self, *args, **kwargs)
+            sink = self.__dict__.get("_dflash_sink")
+            if sink is not None:
+                sink.append(out)
+            return out
+
+        _CAPTURE_CLASSES[cls] = type(f"Captured{cls.__name__}", (cls,), {"__call__": __call__})
+    return _CAPTURE_CLASSES[cls]
+
+
+def _find_text_model(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """Return (outer, inner): outer owns the LM head, inner owns embed_tokens and layers."""
+    outer = model
+    for _ in range(3):
+        if "language_model" in outer:
+            outer = outer["language_model"]
+    inner = outer["model"] if "model" in outer else outer
+    if "embed_tokens" not in inner or "layers" not in inner:
+        raise ValueError(
+            f"unsupported target {type(model).__module__}: no embed_tokens/layers found"
+        )
+    return outer, inner
+
+
+def default_layer_ids(num_layers: int, count: int = 5) -> list[int]:
+    """Evenly spread capture layers from 1 to N-3 (the published drafts' rule)."""
+    lo, hi = (1, num_layers - 3) if num_layers >= 5 else (0, num_layers - 1)
+    if count == 1:
+        return [hi]
+    return sorted({round(lo + i * (hi - lo) / (count - 1)) for i in range(count)})
+
+
+class TargetModel:
+    """An mlx-lm causal LM plus what DFlash needs around it: capture, embedding, LM head."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int]):
+        self.model = model
+        self.outer, self.inner = _find_text_model(model)
+        self.layers = self.inner.layers
+        self.num_layers = len(self.layers)
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(
+                f"capture layer ids {bad} are out of range for a target with "
+                f"{self.num_layers} layers"
+            )
+        self.layer_ids = list(layer_ids)
+        emb = self.inner.embed_tokens
+        self.vocab_size, self.hidden_size = _embedding_shape(emb)
+        self.args = getattr(self.outer, "args", None) or getattr(model, "args", None)
+        self.model_type = str(getattr(model, "model_type", getattr(self.args, "model_type", "")))
+        self._sink: list[mx.array] = []
+        for i in self.layer_ids:
+            layer = self.layers[i]
+            if not type(layer).__name__.startswith("Captured"):
+                layer.__class__ = _capturing_class(type(layer))
+            layer.__dict__["_dflash_sink"] = None
+        tape.install(self.layers)
+
+    # --- shared pieces the draft borrows -------------------------------------------------
+    def embed(self, ids: mx.array) -> mx.array:
+        """The target's token embedding, with the family's embedding scale."""
+        h = self.inner.embed_tokens(ids)
+        if self.model_type.startswith("gemma"):
+            # Gemma scales embeddings by sqrt(hidden), rounded through bf16 like the model does.
+            h = h * mx.array(self.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
+        return h
+
+    def lm_head(self, h: mx.array) -> mx.array:
+        """The target's LM head (or tied embedding), with logit soft-capping if it has one."""
+        if "lm_head" in self.outer:
+            logits = self.outer.lm_head(h)
+        else:
+            logits = self.inner.embed_tokens.as_linear(h)
+        cap = getattr(self.args, "final_logit_softcapping", None)
+        if cap:
+            logits = mx.tanh(logits / cap) * cap
+        return logits
+
+    # --- forward ----------------------------------------------------------------------------
+    def make_cache(self) -> list[Any]:
+        return make_prompt_cache(self.model)
+
+    def forward(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
+        """Run the target on `tokens` [1, L]; return (logits [1, L, V], features [1, L, K*D])."""
+        sink: list[mx.array] = []
+        for i in self.layer_ids:
+            self.layers[i].__dict__["_dflash_sink"] = sink
+        try:
+            logits = self.model(tokens, cache=cache)
+        finally:
+            for i in self.layer_ids:
+                self.layers[i].__dict__["_dflash_sink"] = None
+        if len(sink) != len(self.layer_ids):
+            raise RuntimeError(f"captured {len(sink)} layer outputs, expected {len(self.layer_ids)}")
+        return logits, mx.concatenate(sink, axis=-1)
+
+
+def _embedding_shape(emb: nn.Module) -> tuple[int, int]:
+    if "scales" in emb:  # QuantizedEmbedding: weight is packed
+        return emb.num_embeddings, emb.dims
+    return tuple(emb.weight.shape)  # type: ignore[return-value]
