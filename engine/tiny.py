@@ -161,9 +161,19 @@ def build_target(path: str | Path, arch: str = "qwen3", seed: int = 0, **overrid
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
+    # Default init leaves the residual stream dominated by the embedding, so random models
+    # repeat one token; larger projection weights give varied, decisive greedy output.
+    model.load_weights(
+        [(k, v * 3.0 if _is_projection(k, v) else v) for k, v in tree_flatten(model.parameters())]
+    )
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+def _is_projection(name: str, v: mx.array) -> bool:
+    skip = ("embed_tokens", "lm_head", "conv1d", "norm")
+    return v.ndim >= 2 and not any(s in name for s in skip)
 
 
 def _token_id(path: Path, token: str) -> int:

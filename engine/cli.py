@@ -1,0 +1,82 @@
+"""`dflash`: generate (and benchmark, import, train-draft) from the command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from .. import engine as _engine  # noqa: F401  (keeps `dflash.engine` importable as a package)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """DFlash block-diffusion speculative decoding on MLX (lossless, greedy)."""
+
+
+@main.command()
+@click.option("--model", "model_path", required=True, help="Target model directory (mlx-lm format).")
+@click.option("--draft", "draft_path", default=None, help="Draft directory; omitted: resolved from the registry.")
+@click.option("--prompt", "-p", default=None, help="Prompt text; '-' or omitted reads stdin.")
+@click.option("--max-tokens", "-m", default=256, show_default=True, type=click.IntRange(1))
+@click.option("--system", default=None, help="System message (chat models).")
+@click.option("--raw", is_flag=True, help="Do not apply the chat template.")
+@click.option("--stop", multiple=True, help="Stop sequence (repeatable).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, help="Cast target and draft (CPU: float32 is fastest).")
+@click.option("--kv-bits", type=click.IntRange(2, 8), default=None, help="Quantize the target's KV cache.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats).")
+def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtype, kv_bits, as_json):
+    """Generate greedily with DFlash; prints text as it streams, then the stats."""
+    from .generate import Finished, stream_dflash_generate
+    from .loading import load_pair
+    from .prompting import build_prompt
+
+    if prompt is None or prompt == "-":
+        prompt = sys.stdin.read()
+    try:
+        pair = load_pair(model_path, draft_path, dtype=dtype)
+        ids = build_prompt(pair.tokenizer, prompt, system=system, raw=raw)
+        final = None
+        for ev in stream_dflash_generate(
+            pair.target, pair.drafter, pair.tokenizer, ids, max_tokens, stop=stop, kv_bits=kv_bits
+        ):
+            if isinstance(ev, Finished):
+                final = ev
+            elif not as_json:
+                click.echo(ev.text, nl=False)
+                sys.stdout.flush()
+    except (ValueError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from e
+    s = final.stats
+    if as_json:
+        click.echo(json.dumps({"text": final.text, "token_ids": final.token_ids, "stats": s.to_dict()}))
+    else:
+        click.echo()
+        click.echo(
+            f"[dflash] prompt {s.prompt_tokens} tok, {s.prefill_tps:.1f} tok/s | generated "
+            f"{s.generated_tokens} tok, {s.decode_tps:.1f} tok/s | acceptance {s.acceptance:.1%}, "
+            f"{s.tokens_per_cycle:.2f} tok/cycle over {s.cycles} cycles | TTFT {s.ttft_s * 1000:.0f} ms"
+            f" | peak {s.peak_memory_gb:.2f} GB | {s.finish_reason}",
+            err=True,
+        )
+
+
+@main.command("make-tiny")
+@click.argument("out_dir")
+@click.option("--arch", default="qwen3", show_default=True, help="Tiny target family.")
+@click.option("--draft-layers", default=1, show_default=True)
+def make_tiny(out_dir, arch, draft_layers):
+    """Write a tiny random-weight target (OUT_DIR) and draft (OUT_DIR/draft) for trying things."""
+    from pathlib import Path
+
+    from .tiny import build_draft, build_target
+
+    out = Path(out_dir)
+    build_target(out, arch)
+    build_draft(out / "draft", out, num_layers=draft_layers)
+    click.echo(f"tiny {arch} target in {out}, draft in {out / 'draft'} (random weights)")
+
+
+if __name__ == "__main__":
+    main()

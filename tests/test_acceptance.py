@@ -1,0 +1,46 @@
+"""Acceptance is exact: a corrupted oracle is accepted up to its first corruption, every time."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash.engine.drafters import OracleDrafter
+from dflash.engine.verify import greedy_accept
+from helpers import greedy_reference, run_dflash
+
+import mlx.core as mx
+
+
+def test_greedy_accept_counts_prefix():
+    g = mx.array([5, 6, 7, 8, 9])
+    assert greedy_accept(mx.array([5, 6, 7, 8]), g).item() == 4
+    assert greedy_accept(mx.array([5, 6, 0, 8]), g).item() == 2
+    assert greedy_accept(mx.array([0, 6, 7, 8]), g).item() == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "gemma3_text"])
+@pytest.mark.parametrize("corrupt", [1, 5, 11, 15])
+def test_acceptance_stops_at_first_corruption(pairs, arch, corrupt):
+    pair = pairs(arch)
+    B, n_new = 16, 64
+    ids = pair.tokenizer.encode("Once upon a time there was a small town by the sea.")
+    ref = greedy_reference(pair.target.model, ids, n_new + B)
+    oracle = OracleDrafter(
+        ref, len(ids), B, corrupt_at=[corrupt, corrupt + 2], vocab_size=pair.target.vocab_size
+    )
+    saved, pair.tokenizer.eos_token_ids = pair.tokenizer.eos_token_ids, set()
+    try:
+        final, events = run_dflash(pair.target, oracle, pair.tokenizer, ids, n_new)
+    finally:
+        pair.tokenizer.eos_token_ids = saved
+    assert final.token_ids == ref[:n_new]
+    s = final.stats
+    # block position j is draft index j-1: the first corrupted draft sits at index corrupt-1
+    accepted = corrupt - 1
+    full_cycles = (n_new - 1) // (accepted + 1)
+    assert s.accept_histogram[accepted] >= full_cycles
+    assert sum(s.accept_histogram) == s.cycles
+    assert all(c == 0 for i, c in enumerate(s.accept_histogram) if i > accepted)
+    # per-token draft flags: every cycle emits `accepted` draft tokens then the target's bonus
+    flags = [f for ev in events for f in ev.from_draft]
+    assert len(flags) == n_new and flags[0] is False
