@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from .draft import DFlashDraft
+from .sparse import PositionedKVCache
 from .target import TargetModel
 
 
@@ -21,7 +22,13 @@ class Drafter(Protocol):
     block_size: int
     layer_ids: list[int]
 
-    def reset(self) -> None: ...
+    def reset(self, positioned: bool = False) -> None:
+        """Start a request; `positioned` when the prompt is a sparse selection."""
+        ...
+
+    def jump(self, position: int) -> None:
+        """Next context rows start at this true position (sparse prefill runs)."""
+        ...
 
     def add_context(self, features: mx.array) -> None: ...
 
@@ -42,8 +49,15 @@ class DFlashDrafter:
         self._masks = mx.full((self.block_size - 1,), draft.config.mask_token_id, mx.int32)
         self.cache: list[KVCache] = draft.make_cache()
 
-    def reset(self) -> None:
-        self.cache = self.draft.make_cache()
+    def reset(self, positioned: bool = False) -> None:
+        if positioned:
+            self.cache = [PositionedKVCache() for _ in self.draft.layers]
+        else:
+            self.cache = self.draft.make_cache()
+
+    def jump(self, position: int) -> None:
+        for c in self.cache:
+            c.jump(position)
 
     @property
     def context_len(self) -> int:
@@ -81,7 +95,10 @@ class OracleDrafter:
         self.corrupt_at = set(corrupt_at)
         self.vocab_size = vocab_size
 
-    def reset(self) -> None:
+    def reset(self, positioned: bool = False) -> None:
+        pass
+
+    def jump(self, position: int) -> None:
         pass
 
     def add_context(self, features: mx.array) -> None:

@@ -16,8 +16,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 
-from . import rollback
+from . import rollback, sparse
 from .drafters import Drafter
+from .prefix import PrefixSession
 from .target import TargetModel
 from .verify import Verified, verify
 
@@ -48,6 +49,7 @@ class GenerationStats:
     total_s: float = 0.0
     peak_memory_gb: float = 0.0
     finish_reason: str = ""
+    warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -74,13 +76,24 @@ def stream_dflash_generate(
     prompt_tokens_override: Sequence[int] | None = None,
     prompt_token_positions: Sequence[int] | None = None,
     should_cancel: Callable[[], bool] | None = None,
+    prefix_cache: Any | None = None,
 ) -> Iterator[TokenDelta | Finished]:
-    """Greedy DFlash generation. Yields TokenDelta events, then one Finished with the stats."""
+    """Greedy DFlash generation. Yields TokenDelta events, then one Finished with the stats.
+
+    prefix_cache (e.g. dflash.cache.tiers.PrefixCache; not used with sparse prefill): resume
+    from the longest stored prefix of the prompt and store snapshots of this prompt's prefill.
+    """
+    positions: list[int] | None = None
     if prompt_tokens_override is not None or prompt_token_positions is not None:
-        raise NotImplementedError(
-            "positional sparse prefill (prompt_tokens_override + prompt_token_positions) "
-            "is not available yet"
-        )
+        if prompt_tokens_override is None or prompt_token_positions is None:
+            raise ValueError(
+                "sparse prefill needs both prompt_tokens_override and prompt_token_positions"
+            )
+        if kv_bits:
+            raise ValueError("sparse prefill cannot be combined with kv_bits")
+        prompt = list(prompt_tokens_override)
+        positions = list(prompt_token_positions)
+        sparse.validate(prompt, positions)
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise ValueError("empty prompt: at least one token is needed")
@@ -97,19 +110,31 @@ def stream_dflash_generate(
     t_start = time.perf_counter()
 
     caches = target.make_cache()
+    if positions is not None:
+        caches = sparse.positioned(caches)
+        warning = sparse.scatter_warning(positions)
+        if warning:
+            stats.warnings.append(warning)
     rollback.check_supported(caches, target.layers)
     record_tape = rollback.needs_tape(caches)
-    drafter.reset()
+    drafter.reset(positioned=positions is not None)
 
-    logits = _prefill(target, drafter, caches, ids, prefill_chunk)
+    session = None
+    if prefix_cache is not None and positions is None:
+        session = PrefixSession(prefix_cache, ids, caches, drafter)
+    start, logits = (0, None) if session is None else session.restore()
+    stats.cached_prompt_tokens = start
+    if start < len(ids):  # a whole-prompt hit restored the last logits: no forward needed
+        logits = _prefill(target, drafter, caches, ids, prefill_chunk, positions, start, session)
     rollback.quantize_kv(caches, kv_bits, kv_group_size)
     anchor = mx.argmax(logits[0, -1]).astype(mx.int32)
     first = anchor.item()
     t_first = time.perf_counter()
     stats.ttft_s = t_first - t_start
-    stats.prefill_tps = len(ids) / max(stats.ttft_s, 1e-9)
+    stats.prefill_tps = (len(ids) - start) / max(stats.ttft_s, 1e-9)
 
-    pos = len(ids)  # position of the anchor; target cache holds [0, pos)
+    # position of the anchor; target caches hold everything before it
+    pos = positions[-1] + 1 if positions is not None else len(ids)
     inflight: Verified | None = None
     reason = ""
     try:
@@ -148,22 +173,57 @@ def stream_dflash_generate(
     stats.tokens_per_cycle = (stats.accepted_drafts + stats.cycles) / max(stats.cycles, 1)
     stats.total_s = t_end - t_start
     stats.decode_tps = (stats.generated_tokens - 1) / max(t_end - t_first, 1e-9)
-    stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+    stats.peak_memory_gb = _peak_memory_gb()
     stats.finish_reason = reason
     yield from out.drain(final=True)
     yield Finished(out.text, list(out.ids), stats)
 
 
+def _peak_memory_gb() -> float:
+    """MLX's device peak; on backends that do not track it, the process's peak RSS."""
+    peak = mx.get_peak_memory()
+    if peak:
+        return peak / 1e9
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (1e9 if sys.platform == "darwin" else 1e6)
+
+
 def _prefill(
-    target: TargetModel, drafter: Drafter, caches: list[Any], ids: list[int], chunk: int
+    target: TargetModel,
+    drafter: Drafter,
+    caches: list[Any],
+    ids: list[int],
+    chunk: int,
+    positions: list[int] | None = None,
+    start: int = 0,
+    session: PrefixSession | None = None,
 ) -> mx.array:
-    """Run the prompt through the target in chunks, feeding captured features to the draft."""
+    """Run ids[start:] through the target in chunks, feeding captured features to the draft.
+
+    With `positions` (sparse prefill) each contiguous run starts at its true position.
+    Dense chunks end on a grid of absolute positions and at the prefix session's marks, where
+    the caches are captured: a run resumed from a mark computes exactly what a cold run does.
+    """
     logits = None
-    for start in range(0, len(ids), chunk):
-        tokens = mx.array(ids[start : start + chunk], dtype=mx.int32)[None]
-        logits, features = target.forward(tokens, caches)
-        drafter.add_context(features)
-        mx.eval(logits[:, -1], [c.state for c in caches])
+    marks = set(session.marks) if session is not None else set()
+    spans = sparse.runs(positions) if positions is not None else [(start, len(ids))]
+    for lo, hi in spans:
+        if positions is not None:
+            sparse.jump(caches, positions[lo])
+            drafter.jump(positions[lo])
+        base = lo if positions is not None else 0
+        ends = sorted({*range(base + chunk, hi, chunk), *marks, hi})
+        for end in (e for e in ends if lo < e <= hi):
+            tokens = mx.array(ids[lo:end], dtype=mx.int32)[None]
+            logits, features = target.forward(tokens, caches)
+            drafter.add_context(features)
+            mx.eval(logits[:, -1], [c.state for c in caches])
+            if end in marks:
+                session.capture(end, logits)
+            lo = end
     return logits
 
 

@@ -8,6 +8,8 @@ fed. How depends on the cache kind:
 - RotatingKVCache (sliding window): a multi-token update leaves the buffer in temporal order
   with the block at its end, so dropping the rejected tail is a slice. mlx-lm's own `trim`
   refuses (or corrupts the ring) once the window has wrapped; this stays exact.
+- PositionedKVCache / PositionedWindowCache (sparse prefill, sparse.py): trim; the window
+  cache keeps its keys in temporal order with their true positions, so trim is a slice.
 - ArraysCache (Gated DeltaNet): restore from the verify tape (see tape.py), replaying only the
   accepted steps.
 """
@@ -24,6 +26,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
+from .sparse import PositionedWindowCache
 from .tape import Tape, gdn_module
 
 
@@ -40,10 +43,12 @@ def cache_kind(cache: Any) -> str:
         return "kv"
     if isinstance(cache, ArraysCache):
         return "gdn"
+    if isinstance(cache, PositionedWindowCache):
+        return "window"
     return type(cache).__name__
 
 
-SUPPORTED_KINDS = ("kv", "quantized", "rotating", "gdn")
+SUPPORTED_KINDS = ("kv", "quantized", "rotating", "gdn", "window")
 
 
 def check_supported(caches: Sequence[Any], layers: Sequence[Any]) -> None:
@@ -79,7 +84,7 @@ def rewind(
     for layer, c in zip(layers, caches):
         if isinstance(c, RotatingKVCache):
             _rewind_rotating(c, n_drop)
-        elif isinstance(c, (KVCache, QuantizedKVCache)):
+        elif isinstance(c, (KVCache, QuantizedKVCache, PositionedWindowCache)):
             if c.trim(n_drop) != n_drop:
                 raise RuntimeError("KV cache held fewer tokens than the verified block")
         elif isinstance(c, ArraysCache):

@@ -1,0 +1,278 @@
+"""Prefix snapshots on the engine side: capture every cache after a prompt prefix, restore it.
+
+A snapshot taken after n prompt tokens holds what resuming needs without recomputing them:
+each target cache in a form that restores exactly (attention K/V up to n; quantized K/V;
+a sliding window as its temporally ordered buffer + offset; Gated DeltaNet conv + recurrent
+state), the draft's context K/V for the same n rows, and the logits of token n-1 (so a prompt
+that is entirely cached needs no forward before its first token). Snapshots are taken before
+KV quantization (kv_bits), so one snapshot serves both settings.
+
+Live snapshots hold MLX arrays (that is what L1 keeps); `encode`/`Snapshot.decode` convert to
+and from the byte format of dflash.cache.snapshot for L2. MLX arrays are immutable values, and
+restore hands each cache fresh array objects, so a restored request never alters the snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+
+from dflash.cache import snapshot as fmt
+from dflash.cache.snapshot import CorruptSnapshot
+from .rollback import cache_kind
+
+log = logging.getLogger("dflash.engine.prefix")
+
+_MX_DTYPES = {
+    "bool": mx.bool_, "uint8": mx.uint8, "uint16": mx.uint16, "uint32": mx.uint32,
+    "uint64": mx.uint64, "int8": mx.int8, "int16": mx.int16, "int32": mx.int32,
+    "int64": mx.int64, "float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32,
+}
+_NAMES = {v: k for k, v in _MX_DTYPES.items()}
+
+
+class SnapshotMismatch(ValueError):
+    """The snapshot does not fit these caches (other model, other cache layout)."""
+
+
+@dataclass
+class Snapshot:
+    """Caches after exactly n_tokens prompt tokens. Layer states are dicts of ints and arrays."""
+
+    n_tokens: int
+    target: list[dict[str, Any]]
+    draft: list[dict[str, Any]] | None
+    logits: mx.array  # [1, 1, V]: the prediction for token n_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self._arrays())
+
+    def _arrays(self) -> list[mx.array]:
+        out = [self.logits]
+        for st in self.target + (self.draft or []):
+            out.extend(_state_arrays(st))
+        return out
+
+    def encode(self) -> bytes:
+        """The checked byte form (dflash.cache.snapshot) for the cache process."""
+        mx.eval(self._arrays())
+        body = {
+            "n_tokens": self.n_tokens,
+            "target": [_encode_state(st) for st in self.target],
+            "draft": None if self.draft is None else [_encode_state(st) for st in self.draft],
+            "logits": _to_record(self.logits),
+        }
+        return fmt.encode(body)
+
+    @classmethod
+    def decode(cls, data: bytes) -> "Snapshot":
+        """Verify and rebuild; raises CorruptSnapshot for anything malformed."""
+        body = fmt.decode(data)
+        try:
+            draft = body["draft"]
+            snap = cls(
+                n_tokens=int(body["n_tokens"]),
+                target=[_decode_state(st) for st in body["target"]],
+                draft=None if draft is None else [_decode_state(st) for st in draft],
+                logits=_from_record(body["logits"]),
+            )
+        except CorruptSnapshot:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptSnapshot(f"malformed snapshot body: {e}") from e
+        return snap
+
+
+# --- capture / restore -------------------------------------------------------------------------
+def take(caches: Sequence[Any], drafter: Any, logits: mx.array, n_tokens: int) -> Snapshot:
+    """Snapshot the target caches, the draft's context cache and the last logits."""
+    target = [_capture(c) for c in caches]
+    dcache = getattr(drafter, "cache", None)
+    draft = None if dcache is None else [_capture(c) for c in dcache]
+    snap = Snapshot(n_tokens, target, draft, logits[:, -1:, :])
+    mx.eval(snap._arrays())  # compact copies now; the live caches keep changing
+    return snap
+
+
+def check_fits(snap: Snapshot, caches: Sequence[Any], drafter: Any) -> None:
+    """Raise SnapshotMismatch unless `snap` can be restored into these (fresh) caches."""
+    if len(snap.target) != len(caches):
+        raise SnapshotMismatch(f"{len(snap.target)} cache states for {len(caches)} layers")
+    for i, (st, c) in enumerate(zip(snap.target, caches)):
+        if st["kind"] != cache_kind(c):
+            raise SnapshotMismatch(f"layer {i}: snapshot {st['kind']}, cache {cache_kind(c)}")
+        if st["kind"] == "gdn" and len(st["arrays"]) != len(c.cache):
+            raise SnapshotMismatch(f"layer {i}: recurrent state size differs")
+    dcache = getattr(drafter, "cache", None)
+    if (snap.draft is None) != (dcache is None):
+        raise SnapshotMismatch("draft context presence differs")
+    if dcache is not None and len(snap.draft) != len(dcache):
+        raise SnapshotMismatch("draft layer count differs")
+    for st in snap.target + (snap.draft or []):
+        if "offset" in st and st["offset"] != snap.n_tokens:
+            raise SnapshotMismatch(f"a cache holds {st['offset']} rows, expected {snap.n_tokens}")
+
+
+def restore(snap: Snapshot, caches: list[Any], drafter: Any) -> mx.array:
+    """Fill fresh caches (and the drafter's context) from `snap`; return its last logits."""
+    check_fits(snap, caches, drafter)
+    for st, c in zip(snap.target, caches):
+        _apply(st, c)
+    if snap.draft is not None:
+        fresh = []
+        for st in snap.draft:
+            c = KVCache()
+            _apply(st, c)
+            fresh.append(c)
+        drafter.cache = fresh
+    return snap.logits[...]
+
+
+def _capture(c: Any) -> dict[str, Any]:
+    kind = cache_kind(c)
+    if kind == "rotating":
+        k, v = _temporal(c, c.keys), _temporal(c, c.values)
+        return {"kind": kind, "keys": k, "values": v, "offset": c.offset,
+                "keep": c.keep, "max_size": c.max_size}
+    if kind == "quantized":
+        n = c.offset
+        return {"kind": kind, "keys": [a[..., :n, :] for a in c.keys],
+                "values": [a[..., :n, :] for a in c.values], "offset": n,
+                "group_size": c.group_size, "bits": c.bits}
+    if kind == "kv":
+        n = c.offset
+        return {"kind": kind, "keys": c.keys[..., :n, :], "values": c.values[..., :n, :],
+                "offset": n}
+    if kind == "gdn":
+        if c.left_padding is not None or c.lengths is not None:
+            raise SnapshotMismatch("batched recurrent caches are not snapshotted")
+        return {"kind": kind, "arrays": list(c.cache)}
+    raise SnapshotMismatch(f"no snapshot for a {kind} cache")
+
+
+def _temporal(c: RotatingKVCache, a: mx.array) -> mx.array:
+    """The rotating buffer's rows in the order they were written (oldest first)."""
+    idx, keep = c._idx, c.keep
+    if idx == a.shape[2]:
+        return a
+    if idx < c.offset:  # wrapped in place: [kept rows][idx..end][keep..idx]
+        return mx.concatenate([a[..., :keep, :], a[..., idx:, :], a[..., keep:idx, :]], axis=2)
+    return a[..., :idx, :]
+
+
+def _apply(st: dict[str, Any], c: Any) -> None:
+    kind = st["kind"]
+    if kind == "rotating":
+        # Temporal order with _idx at the end is exactly the layout a multi-token update leaves.
+        c.keys, c.values = st["keys"][...], st["values"][...]
+        c.offset, c.keep, c.max_size = st["offset"], st["keep"], st["max_size"]
+        c._idx = c.keys.shape[2]
+    elif kind == "quantized":
+        c.keys = tuple(a[...] for a in st["keys"])
+        c.values = tuple(a[...] for a in st["values"])
+        c.offset, c.group_size, c.bits = st["offset"], st["group_size"], st["bits"]
+    elif kind == "kv":
+        c.keys, c.values, c.offset = st["keys"][...], st["values"][...], st["offset"]
+    elif kind == "gdn":
+        for i, a in enumerate(st["arrays"]):
+            c[i] = None if a is None else a[...]
+
+
+# --- byte form of one cache state ----------------------------------------------------------
+def _state_arrays(st: dict[str, Any]) -> list[mx.array]:
+    out = []
+    for v in st.values():
+        if isinstance(v, mx.array):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out.extend(a for a in v if isinstance(a, mx.array))
+    return out
+
+
+def _encode_state(st: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in st.items():
+        if isinstance(v, mx.array):
+            out[k] = _to_record(v)
+        elif isinstance(v, (list, tuple)):
+            out[k] = [None if a is None else _to_record(a) for a in v]
+        else:
+            out[k] = v
+    return out
+
+
+_ARRAY_FIELDS = {"rotating": ("keys", "values"), "kv": ("keys", "values")}
+_LIST_FIELDS = {"quantized": ("keys", "values"), "gdn": ("arrays",)}
+
+
+def _decode_state(st: dict[str, Any]) -> dict[str, Any]:
+    kind = st.get("kind")
+    if kind not in ("rotating", "kv", "quantized", "gdn"):
+        raise CorruptSnapshot(f"unknown cache kind {kind!r}")
+    out = dict(st)
+    for f in _ARRAY_FIELDS.get(kind, ()):
+        out[f] = _from_record(st[f])
+    for f in _LIST_FIELDS.get(kind, ()):
+        out[f] = [None if r is None else _from_record(r) for r in st[f]]
+    if kind == "quantized":
+        out["keys"], out["values"] = tuple(out["keys"]), tuple(out["values"])
+    return out
+
+
+def _to_record(a: mx.array) -> dict[str, Any]:
+    name = _NAMES[a.dtype]
+    raw = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a  # numpy has no bfloat16
+    return fmt.array_record(name, a.shape, np.ascontiguousarray(raw).tobytes())
+
+
+def _from_record(rec: dict[str, Any]) -> mx.array:
+    fmt.check_record(rec)
+    name = rec["dtype"]
+    np_dtype = np.dtype("<u2") if name == "bfloat16" else np.dtype(name).newbyteorder("<")
+    arr = mx.array(np.frombuffer(rec["data"], dtype=np_dtype).reshape(rec["shape"]))
+    return arr.view(mx.bfloat16) if name == "bfloat16" else arr
+
+
+# --- the engine's per-request helper -----------------------------------------------------------
+class PrefixSession:
+    """One request against a prefix cache: restore the longest stored prefix, capture new ones.
+
+    `prefix_cache` needs lookup(ids) -> (n, snapshot) | None and insert(ids, snapshot); an
+    optional boundaries(n_prompt) says where to capture (default: the end of the prompt).
+    Cache trouble never fails the request: it is logged and the prompt is prefilled cold.
+    """
+
+    def __init__(self, prefix_cache: Any, ids: Sequence[int], caches: list[Any], drafter: Any):
+        self.cache = prefix_cache
+        self.ids = list(ids)
+        self.caches = caches
+        self.drafter = drafter
+        bounds = getattr(prefix_cache, "boundaries", None)
+        self.marks = sorted(set(bounds(len(self.ids)) if bounds else [len(self.ids)]))
+
+    def restore(self) -> tuple[int, mx.array | None]:
+        """(tokens restored, last logits) from the longest hit, or (0, None)."""
+        try:
+            found = self.cache.lookup(self.ids)
+            if found is None:
+                return 0, None
+            n, snap = found
+            if not 0 < n <= len(self.ids) or snap.n_tokens != n:
+                raise SnapshotMismatch(f"lookup returned {n} tokens for a {snap.n_tokens} snapshot")
+            return n, restore(snap, self.caches, self.drafter)
+        except Exception:
+            log.exception("prefix cache lookup failed; prefilling cold")
+            return 0, None
+
+    def capture(self, n: int, logits: mx.array) -> None:
+        """Snapshot the caches, which now hold exactly ids[:n], and insert it."""
+        try:
+            self.cache.insert(self.ids[:n], take(self.caches, self.drafter, logits, n))
+        except Exception:
+            log.exception("prefix cache insert failed at %d tokens", n)
