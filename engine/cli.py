@@ -78,5 +78,10 @@ def make_tiny(out_dir, arch, draft_layers):
     click.echo(f"tiny {arch} target in {out}, draft in {out / 'draft'} (random weights)")
 
 
+from .benchmark import benchmark_command  # noqa: E402
+
+main.add_command(benchmark_command)
+
+
 if __name__ == "__main__":
     main()
