@@ -1,1 +1,31 @@
 """dflash.client: DFlashClient (sync and asyncio) and the dflash-client CLI."""
+
+from .aio import AsyncDFlashClient
+from .client import DFlashClient, Delta, JobHandle, Result, Stream
+from .errors import (
+    BadRequestError,
+    BusyError,
+    ClientTimeoutError,
+    DFlashError,
+    JobFailedError,
+    NotFoundError,
+    WorkerGoneError,
+    WorkerUnavailableError,
+)
+
+__all__ = [
+    "AsyncDFlashClient",
+    "BadRequestError",
+    "BusyError",
+    "ClientTimeoutError",
+    "DFlashClient",
+    "DFlashError",
+    "Delta",
+    "JobFailedError",
+    "JobHandle",
+    "NotFoundError",
+    "Result",
+    "Stream",
+    "WorkerGoneError",
+    "WorkerUnavailableError",
+]

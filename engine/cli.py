@@ -83,5 +83,11 @@ from .benchmark import benchmark_command  # noqa: E402
 main.add_command(benchmark_command)
 
 
+from .convert import import_command  # noqa: E402
+from .train import train_draft_command  # noqa: E402
+
+main.add_command(import_command)
+main.add_command(train_draft_command)
+
 if __name__ == "__main__":
     main()

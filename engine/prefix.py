@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from dflash.cache import snapshot as fmt
 from dflash.cache.snapshot import CorruptSnapshot

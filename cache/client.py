@@ -1,0 +1,168 @@
+"""The worker's client of the cache process (DEALER -> ROUTER, msgpack header + raw payload).
+
+Generation must never wait on or fail because of the cache process, so every call here returns
+a miss / False / None instead of raising, and never blocks longer than `timeout_s`:
+- IMMEDIATE: nothing is queued for a peer that is not connected, so a send while the cache
+  process is down fails at once instead of piling up.
+- After a timeout or a failed send the client rests for `retry_after_s` (calls return misses at
+  once), then tries again; ZeroMQ reconnects by itself when the process comes back.
+- A reply that arrives after its request timed out is recognised by its id and dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any
+
+import msgpack
+import zmq
+
+PROTOCOL_VERSION = 1
+
+
+class CacheClient:
+    """Talks to one cache process. Thread-safe (one lock); each call is one round trip."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        timeout_s: float = 1.0,
+        connect_timeout_s: float = 0.25,
+        retry_after_s: float = 2.0,
+        max_queued_puts: int = 8,
+    ):
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.retry_after_s = retry_after_s
+        self.max_queued_puts = max_queued_puts
+        self._ctx = zmq.Context.instance()  # shared, never terminated here: no hang at exit
+        self._sock: zmq.Socket | None = None
+        self._connected = False  # the current socket has sent at least once
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self.counters = dict(requests=0, timeouts=0, unavailable=0, dropped_puts=0, errors=0)
+
+    # --- public calls --------------------------------------------------------------------
+    @property
+    def available(self) -> bool:
+        """False while resting after a failure (a call then returns a miss at once)."""
+        return time.monotonic() >= self._down_until
+
+    def ping(self) -> bool:
+        return self.call("ping") is not None
+
+    def get_first(self, keys: list[str]) -> tuple[str, bytes] | None:
+        """The first of `keys` (in order) the cache process holds intact, with its bytes."""
+        if not keys:
+            return None
+        got = self._request({"op": "get", "keys": keys}, None, want_reply=True)
+        if got is None or not got[0].get("found") or got[1] is None:
+            return None
+        return got[0]["key"], got[1]
+
+    def put(self, key: str, data: bytes, wait: bool = False) -> bool:
+        """Store bytes. wait=False: write-behind, True when handed to the socket (no ack)."""
+        got = self._request({"op": "put", "key": key, "ack": wait}, data, want_reply=wait)
+        if got is None:
+            self.counters["dropped_puts"] += 1
+            return False
+        return True
+
+    def delete(self, key: str) -> bool:
+        return self.call("delete", key=key) is not None
+
+    def stats(self) -> dict[str, Any] | None:
+        reply = self.call("stats")
+        return None if reply is None else reply.get("stats")
+
+    def clear(self) -> bool:
+        return self.call("clear") is not None
+
+    def call(self, op: str, **fields: Any) -> dict[str, Any] | None:
+        """One request -> its reply map when ok, else None (down, timeout or error reply)."""
+        got = self._request(dict(fields, op=op), None, want_reply=True)
+        return None if got is None else got[0]
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop_socket()
+
+    # --- transport -------------------------------------------------------------------------
+    def _request(
+        self, header: dict[str, Any], payload: bytes | None, want_reply: bool
+    ) -> tuple[dict[str, Any], bytes | None] | None:
+        with self._lock:
+            if time.monotonic() < self._down_until:
+                self.counters["unavailable"] += 1
+                return None
+            self.counters["requests"] += 1
+            sock = self._socket()
+            rid = next(self._ids)
+            frames = [msgpack.packb(dict(header, v=PROTOCOL_VERSION, id=rid), use_bin_type=True)]
+            if payload is not None:
+                frames.append(payload)
+            # Wait for a connection only on a new socket or when a reply is due; a write-behind
+            # put on a connected socket that cannot be queued at once (peer gone or writes
+            # piled up) is dropped instead of stalling generation.
+            wait = want_reply or not self._connected
+            if not sock.poll(int(1000 * self.connect_timeout_s) if wait else 0, zmq.POLLOUT):
+                if wait:
+                    self._fail(timeout=False)
+                return None
+            try:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError:
+                self._fail(timeout=False)
+                return None
+            self._connected = True
+            if not want_reply:
+                return {"ok": True}, None
+            return self._await(sock, rid)
+
+    def _await(self, sock: zmq.Socket, rid: int) -> tuple[dict[str, Any], bytes | None] | None:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                self._fail(timeout=True)
+                return None
+            frames = sock.recv_multipart()
+            try:
+                reply = msgpack.unpackb(frames[0], raw=False)
+            except Exception:
+                continue
+            if not isinstance(reply, dict) or reply.get("id") != rid:
+                continue  # a late reply to a request that already timed out
+            if not reply.get("ok"):
+                self.counters["errors"] += 1
+                return None
+            return reply, (frames[1] if len(frames) > 1 else None)
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IMMEDIATE, 1)
+            s.setsockopt(zmq.SNDHWM, self.max_queued_puts)
+            s.setsockopt(zmq.RECONNECT_IVL, 100)
+            s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            s.connect(self.endpoint)
+            self._sock = s
+            self._connected = False
+        return self._sock
+
+    def _drop_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    def _fail(self, timeout: bool) -> None:
+        """Rest for retry_after_s; after a timeout, also drop the socket and its stale queue."""
+        self.counters["timeouts" if timeout else "unavailable"] += 1
+        if timeout:
+            self._drop_socket()
+        self._down_until = time.monotonic() + self.retry_after_s

@@ -1,0 +1,335 @@
+"""L2: the cache process. A ZeroMQ ROUTER serving a diskcache store of snapshot bytes.
+
+Run it as `python -m dflash.cache.l2 --dir DIR --endpoint ipc://...` (or `start_cache_process`).
+It never imports MLX: it stores, verifies and serves the worker's encoded snapshots, and the
+named sparse-prefill position lists. diskcache (sqlite + files, WAL) makes the store survive
+restarts of either process and a kill -9 mid-write (an interrupted write leaves no row).
+
+Wire (one msgpack header frame, then an optional raw payload frame):
+    request  {"v": 1, "id": int, "op": str, ...}             reply {"v": 1, "id": int, "ok": bool,
+    ops: ping, get {keys: [str]} -> first present intact       "code": str, ...} [+ payload]
+         put {key, ack} + payload, delete {key}, stats, clear,
+         pos_put {name, positions}, pos_get {name}, pos_list, pos_delete {name}
+A put with ack=False gets no reply (write-behind from the worker). Bad frames get an error reply
+(or are dropped when no reply is possible); nothing a client sends stops the process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import diskcache
+import msgpack
+import zmq
+
+from . import snapshot
+
+PROTOCOL_VERSION = 1
+DEFAULT_SIZE_LIMIT = 16 << 30
+DEFAULT_MAX_MESSAGE = 16 << 30
+MAX_POSITIONS = 1 << 22
+MAX_NAME = 200
+SNAP_PREFIX = "snap:"
+
+log = logging.getLogger("dflash.cache.l2")
+
+
+class BytesOnlyDisk(diskcache.Disk):
+    """A diskcache Disk that stores only str keys and bytes values: nothing is ever pickled."""
+
+    def put(self, key):
+        if type(key) is not str:
+            raise TypeError("cache keys must be str")
+        return super().put(key)
+
+    def store(self, value, read, key=diskcache.core.UNKNOWN):
+        if type(value) is not bytes or read:
+            raise TypeError("cache values must be bytes")
+        return super().store(value, read, key=key)
+
+    def fetch(self, mode, filename, value, read):
+        if mode == diskcache.core.MODE_PICKLE:
+            raise TypeError("refusing to unpickle a cache value")
+        return super().fetch(mode, filename, value, read)
+
+
+class Store:
+    """The two diskcache stores: snapshots (LRU within a byte budget) and position lists."""
+
+    def __init__(self, directory: str | Path, size_limit: int = DEFAULT_SIZE_LIMIT):
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.snaps = diskcache.Cache(
+            str(directory / "snapshots"),
+            disk=BytesOnlyDisk,
+            size_limit=size_limit,
+            eviction_policy="least-recently-used",
+            cull_limit=10,  # each write culls at most 10 entries: eviction stays gradual
+        )
+        # Position lists are user data, not a cache: never evicted.
+        self.positions = diskcache.Cache(
+            str(directory / "positions"), disk=BytesOnlyDisk, eviction_policy="none"
+        )
+        self.counters = dict(
+            hits=0, misses=0, puts=0, corrupt_dropped=0, write_errors=0, evictions=0,
+            bad_requests=0,
+        )
+
+    def get_first(self, keys: list[str]) -> tuple[str, bytes] | None:
+        """The first of `keys` that holds an intact snapshot; corrupt ones are deleted."""
+        for key in keys:
+            try:
+                data = self.snaps.get(key, default=None, retry=True)
+            except Exception as e:  # unreadable file or row: treat like corruption
+                log.warning("dropping unreadable entry %s: %s", key, e)
+                self._drop(key)
+                continue
+            if data is None:
+                continue
+            reason = snapshot.verify(data)
+            if reason:
+                log.warning("dropping corrupt entry %s: %s", key, reason)
+                self._drop(key)
+                continue
+            self.counters["hits"] += 1
+            return key, data
+        self.counters["misses"] += 1
+        return None
+
+    def _drop(self, key: str) -> None:
+        self.counters["corrupt_dropped"] += 1
+        try:
+            self.snaps.delete(key, retry=True)
+        except Exception:
+            pass
+
+    def put(self, key: str, data: bytes) -> str:
+        """Store one snapshot; return "" or an error code (writes fail soft)."""
+        if not key.startswith(SNAP_PREFIX) or len(key) > 256:
+            return "bad_key"
+        if snapshot.verify(data):
+            return "corrupt_value"
+        try:
+            before = len(self.snaps) + (0 if key in self.snaps else 1)
+            self.snaps.set(key, data, retry=True)
+            self.counters["evictions"] += max(0, before - len(self.snaps))
+        except Exception as e:  # ENOSPC, EFBIG, sqlite "database or disk is full", ...
+            log.warning("write of %s failed: %s", key, e)
+            self.counters["write_errors"] += 1
+            return "write_failed"
+        self.counters["puts"] += 1
+        return ""
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.counters, entries=len(self.snaps), bytes=self.snaps.volume(),
+                    size_limit=self.snaps.size_limit, position_lists=len(self.positions))
+
+    def close(self) -> None:
+        self.snaps.close()
+        self.positions.close()
+
+
+class Server:
+    """The request loop: one thread, one ROUTER socket, one Store."""
+
+    def __init__(self, store: Store, endpoint: str, max_message: int = DEFAULT_MAX_MESSAGE):
+        self.store = store
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_message)
+        self.sock.bind(endpoint)
+        self.running = True
+
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while self.running:
+            if not poller.poll(200):
+                continue
+            frames = self.sock.recv_multipart(copy=True)
+            reply = self.handle(frames)
+            if reply is not None:
+                try:
+                    self.sock.send_multipart(reply, flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # the peer is gone; nothing to do
+
+    def handle(self, frames: list[bytes]) -> list[bytes] | None:
+        """One request -> reply frames (None when no reply is due or possible)."""
+        if len(frames) < 2:
+            self.store.counters["bad_requests"] += 1
+            return None
+        peer, header, payload = frames[0], frames[1], frames[2:]
+        try:
+            req = msgpack.unpackb(header, raw=False)
+            if not isinstance(req, dict) or not isinstance(req.get("op"), str):
+                raise ValueError("header must be a map with an op")
+        except Exception:
+            self.store.counters["bad_requests"] += 1
+            return [peer, _pack({"id": None, "ok": False, "code": "bad_request"})]
+        rid = req.get("id")
+        try:
+            result, blob = self._dispatch(req, payload)
+        except _BadRequest as e:
+            self.store.counters["bad_requests"] += 1
+            result, blob = {"ok": False, "code": "bad_request", "message": str(e)}, None
+        except Exception as e:  # a store failure is reported, never fatal
+            log.exception("request %s failed", req.get("op"))
+            result, blob = {"ok": False, "code": "internal", "message": str(e)}, None
+        if req.get("op") == "put" and not req.get("ack", True):
+            return None
+        out = [peer, _pack(dict(result, id=rid))]
+        if blob is not None:
+            out.append(blob)
+        return out
+
+    def _dispatch(self, req: dict, payload: list[bytes]) -> tuple[dict, bytes | None]:
+        op = req["op"]
+        st = self.store
+        if op == "ping":
+            return {"ok": True}, None
+        if op == "get":
+            keys = req.get("keys")
+            if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+                raise _BadRequest("get needs keys: [str]")
+            found = st.get_first(keys)
+            if found is None:
+                return {"ok": True, "found": False}, None
+            return {"ok": True, "found": True, "key": found[0]}, found[1]
+        if op == "put":
+            key = req.get("key")
+            if not isinstance(key, str) or len(payload) != 1:
+                raise _BadRequest("put needs key: str and one payload frame")
+            code = st.put(key, payload[0])
+            return ({"ok": False, "code": code} if code else {"ok": True}), None
+        if op == "delete":
+            key = _need_str(req, "key")
+            return {"ok": True, "deleted": bool(st.snaps.delete(key, retry=True))}, None
+        if op == "stats":
+            return {"ok": True, "stats": st.stats()}, None
+        if op == "clear":
+            st.snaps.clear(retry=True)
+            return {"ok": True}, None
+        if op.startswith("pos_"):
+            return self._positions(op, req), None
+        raise _BadRequest(f"unknown op {op!r}")
+
+    def _positions(self, op: str, req: dict) -> dict:
+        pos = self.store.positions
+        if op == "pos_list":
+            return {"ok": True, "names": sorted(pos.iterkeys())}
+        name = _need_str(req, "name")
+        if not name or len(name) > MAX_NAME:
+            raise _BadRequest(f"name must be 1..{MAX_NAME} characters")
+        if op == "pos_put":
+            values = req.get("positions")
+            if (
+                not isinstance(values, list)
+                or len(values) > MAX_POSITIONS
+                or not all(type(p) is int and p >= 0 for p in values)
+            ):
+                raise _BadRequest(f"positions must be a list of at most {MAX_POSITIONS} ints >= 0")
+            try:
+                pos.set(name, msgpack.packb(values), retry=True)
+            except Exception as e:
+                self.store.counters["write_errors"] += 1
+                return {"ok": False, "code": "write_failed", "message": str(e)}
+            return {"ok": True}
+        if op == "pos_get":
+            data = pos.get(name, default=None, retry=True)
+            if data is None:
+                return {"ok": True, "found": False}
+            return {"ok": True, "found": True, "positions": msgpack.unpackb(data)}
+        if op == "pos_delete":
+            return {"ok": True, "deleted": bool(pos.delete(name, retry=True))}
+        raise _BadRequest(f"unknown op {op!r}")
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+class _BadRequest(ValueError):
+    pass
+
+
+def _need_str(req: dict, field: str) -> str:
+    v = req.get(field)
+    if not isinstance(v, str):
+        raise _BadRequest(f"{field} must be a string")
+    return v
+
+
+def _pack(msg: dict) -> bytes:
+    return msgpack.packb(dict(msg, v=PROTOCOL_VERSION), use_bin_type=True)
+
+
+def _lock(directory: Path):
+    """Hold an exclusive lock on the store directory: one cache process per store."""
+    directory.mkdir(parents=True, exist_ok=True)
+    f = open(directory / "l2.lock", "w")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise SystemExit(f"another cache process holds {directory}")
+    return f  # kept open for the life of the process; the kernel drops it on any exit
+
+
+def run(directory: str | Path, endpoint: str, size_limit: int = DEFAULT_SIZE_LIMIT) -> None:
+    """Serve until SIGTERM/SIGINT."""
+    directory = Path(directory)
+    lock = _lock(directory)
+    if endpoint.startswith("ipc://"):
+        Path(endpoint[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True)
+    store = Store(directory, size_limit)
+    server = Server(store, endpoint)
+
+    def stop(*_: Any) -> None:  # handlers only set state; the loop notices within 200 ms
+        server.running = False
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    log.info("cache process serving %s on %s", directory, endpoint)
+    try:
+        server.serve()
+    finally:
+        server.close()
+        store.close()
+        lock.close()
+
+
+def start_cache_process(
+    directory: str | Path,
+    endpoint: str,
+    size_limit: int = DEFAULT_SIZE_LIMIT,
+    **popen_kwargs: Any,
+) -> subprocess.Popen:
+    """Start the cache process (a child running this module) and return its Popen."""
+    cmd = [sys.executable, "-m", "dflash.cache.l2", "--dir", str(directory),
+           "--endpoint", endpoint, "--size-limit", str(size_limit)]
+    return subprocess.Popen(cmd, **popen_kwargs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m dflash.cache.l2", description="the cache process")
+    p.add_argument("--dir", required=True, help="diskcache directory (created if missing)")
+    p.add_argument("--endpoint", required=True, help="ZeroMQ endpoint to bind, e.g. ipc://...")
+    p.add_argument("--size-limit", type=int, default=DEFAULT_SIZE_LIMIT, help="snapshot bytes")
+    p.add_argument("--log-level", default=os.environ.get("DFLASH_CACHE_LOG", "WARNING"))
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    run(args.dir, args.endpoint, args.size_limit)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""PrefixCache: the tiered prefix cache the engine sees (L1 in RAM, L2 in the cache process).
+
+Snapshots are only ever restored at the exact boundary they were taken at (a recurrent state or
+a wrapped sliding window cannot be cut shorter), so entries are keyed by (identity, the token
+ids of the prefix) and a lookup probes the boundaries a snapshot can exist at, longest first:
+the prompt's own length, lengths of prompts inserted earlier, and every multiple of `every`.
+
+Snapshot objects are opaque here; they need `n_tokens`, `nbytes` and `encode() -> bytes`, and
+`decode(bytes)` builds one back (engine/prefix.py provides both).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sys
+from array import array
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+from .client import CacheClient
+from .l1 import L1, L1Entry
+from .snapshot import FORMAT_VERSION, CorruptSnapshot
+
+log = logging.getLogger("dflash.cache")
+
+
+class SnapshotLike(Protocol):
+    n_tokens: int
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def encode(self) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Everything besides the tokens that decides a snapshot's contents."""
+
+    target: str  # model identity: path/name + dtype + a weights fingerprint, as the caller knows
+    draft: str
+    layer_ids: tuple[int, ...]
+    template: str = ""  # hash of the chat template / prompt policy that produced the ids
+    version: int = FORMAT_VERSION
+
+    def digest(self) -> bytes:
+        text = "\x1f".join(
+            [self.target, self.draft, ",".join(map(str, self.layer_ids)), self.template,
+             str(self.version)]
+        )
+        return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+@dataclass
+class TierStats:
+    hits: int = 0
+    hit_tokens: int = 0
+    evictions: int = 0
+    bytes: int = 0
+    entries: int = 0
+
+
+@dataclass
+class PrefixCacheStats:
+    lookups: int = 0
+    misses: int = 0
+    inserts: int = 0
+    corrupt_dropped: int = 0
+    l2_writes: int = 0
+    l2_dropped_writes: int = 0
+    l1: TierStats = field(default_factory=TierStats)
+    l2: TierStats = field(default_factory=TierStats)
+
+
+class PrefixCache:
+    """Longest-prefix lookup across L1 then L2; inserts go to L1 (and L2); L1 evictions spill."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        decode: Callable[[bytes], SnapshotLike],
+        l2: CacheClient | None = None,
+        l1_max_bytes: int = 2 << 30,
+        l1_max_entries: int = 64,
+        every: int = 256,
+        write_through: bool = True,
+    ):
+        if every < 1:
+            raise ValueError("every must be >= 1")
+        self.identity = identity
+        self._ident = identity.digest()
+        self.decode = decode
+        self.l2 = l2
+        self.l1 = L1(l1_max_bytes, l1_max_entries)
+        self.every = every
+        self.write_through = write_through
+        self._known_ends: set[int] = set()  # prompt lengths stored off the `every` grid
+        self._stats = PrefixCacheStats()
+
+    # --- the engine's interface ------------------------------------------------------------
+    def boundaries(self, n_prompt: int) -> list[int]:
+        """Where the engine should take snapshots while prefilling a prompt of n_prompt tokens."""
+        return sorted({*range(self.every, n_prompt, self.every), n_prompt})
+
+    def lookup(self, ids: Sequence[int]) -> tuple[int, SnapshotLike] | None:
+        """The longest stored prefix of `ids` (L1 first, then longer ones in L2), or None."""
+        self._stats.lookups += 1
+        lengths = self._candidates(len(ids))
+        keys = dict(zip(lengths, self._keys(ids, lengths)))
+        best = next(((n, e) for n in lengths if (e := self.l1.get(keys[n])) is not None), None)
+        # Only a longer prefix is worth a round trip to the cache process.
+        found = self._lookup_l2([keys[n] for n in lengths if best is None or n > best[0]])
+        if found is not None:
+            return found
+        if best is None:
+            self._stats.misses += 1
+            return None
+        self._stats.l1.hits += 1
+        self._stats.l1.hit_tokens += best[0]
+        return best[0], best[1].value
+
+    def insert(self, ids: Sequence[int], snap: SnapshotLike) -> None:
+        """Store a snapshot taken after exactly the tokens `ids`."""
+        n = len(ids)
+        if snap.n_tokens != n:
+            raise ValueError(f"snapshot holds {snap.n_tokens} tokens, ids has {n}")
+        self._stats.inserts += 1
+        if n % self.every:
+            self._known_ends.add(n)
+        key = self._keys(ids, [n])[0]
+        in_l2 = self.write_through and self._write_l2(key, snap)
+        self._spill(self.l1.put(key, L1Entry(n, snap, snap.nbytes, in_l2)))
+
+    # --- housekeeping ----------------------------------------------------------------------
+    def flush(self) -> bool:
+        """Wait until the cache process has handled every write sent so far (a round trip)."""
+        return self.l2 is not None and self.l2.ping()
+
+    def drop_l1(self) -> None:
+        """Forget L1 without spilling (what a worker restart does)."""
+        self.l1.clear()
+
+    def stats(self, remote: bool = False) -> dict[str, Any]:
+        """Counters per tier; remote=True also asks the cache process for its own."""
+        s = self._stats
+        s.l1.bytes, s.l1.entries, s.l1.evictions = self.l1.bytes, len(self.l1), self.l1.evictions
+        out = asdict(s)
+        if remote and self.l2 is not None:
+            r = self.l2.stats()
+            if r is not None:
+                out["l2"].update(bytes=r["bytes"], entries=r["entries"], evictions=r["evictions"])
+                out["l2_remote"] = r
+        out["l2_available"] = self.l2 is not None and self.l2.available
+        return out
+
+    # --- internals -------------------------------------------------------------------------
+    def _candidates(self, n: int) -> list[int]:
+        grid = range(self.every, n + 1, self.every)
+        ends = (e for e in self._known_ends if e <= n)
+        return sorted({n, *grid, *ends}, reverse=True)
+
+    def _keys(self, ids: Sequence[int], lengths: list[int]) -> list[str]:
+        """One incremental blake2b pass over the ids; a key at each requested length."""
+        h = hashlib.blake2b(self._ident, digest_size=20)
+        out: dict[int, str] = {}
+        done = 0
+        for n in sorted(set(lengths)):
+            h.update(_id_bytes(ids[done:n]))
+            done = n
+            out[n] = "snap:" + h.copy().hexdigest()
+        return [out[n] for n in lengths]
+
+    def _lookup_l2(self, keys: list[str]) -> tuple[int, SnapshotLike] | None:
+        if self.l2 is None or not keys:
+            return None
+        while keys:
+            got = self.l2.get_first(keys)
+            if got is None:
+                return None
+            key, data = got
+            try:
+                snap = self.decode(data)
+            except CorruptSnapshot as e:  # the process checks too; never load a bad entry
+                log.warning("dropping corrupt L2 entry %s: %s", key, e)
+                self._stats.corrupt_dropped += 1
+                self.l2.delete(key)
+                keys = keys[keys.index(key) + 1 :]
+                continue
+            n = snap.n_tokens
+            self._stats.l2.hits += 1
+            self._stats.l2.hit_tokens += n
+            self._spill(self.l1.put(key, L1Entry(n, snap, snap.nbytes, in_l2=True)))
+            return n, snap
+        return None
+
+    def _write_l2(self, key: str, snap: SnapshotLike) -> bool:
+        if self.l2 is None:
+            return False
+        try:
+            data = snap.encode()
+        except Exception:  # an encoding bug must not break generation; L1 still serves
+            log.exception("could not encode snapshot %s", key)
+            return False
+        ok = self.l2.put(key, data)
+        self._stats.l2_writes += ok
+        self._stats.l2_dropped_writes += not ok
+        return ok
+
+    def _spill(self, evicted: list[tuple[str, L1Entry]]) -> None:
+        for key, entry in evicted:
+            if not entry.in_l2:
+                self._write_l2(key, entry.value)
+
+
+def _id_bytes(ids: Sequence[int]) -> bytes:
+    a = array("q", ids)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()

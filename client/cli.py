@@ -1,0 +1,118 @@
+"""`dflash-client`: prompt the daemon from a shell; status and jobs.
+
+Exit codes: 0 done, 1 the job failed, 2 usage or bad request, 3 no worker / worker died,
+4 busy (queue full), 124 the job hit its time limit, 130 cancelled with Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from . import errors as E
+from .client import DFlashClient
+
+EXIT = {E.BusyError: 4, E.BadRequestError: 2, E.WorkerUnavailableError: 3, E.WorkerGoneError: 3}
+
+
+def _fail(e: E.DFlashError) -> None:
+    click.echo(f"dflash-client: {e}", err=True)
+    sys.exit(EXIT.get(type(e), 1))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--endpoint", default=None, help="Worker endpoint (default: from config / DFLASH_ENDPOINT).")
+@click.option("--config", "config_path", default=None, help="dflashd TOML config to read the endpoint from.")
+@click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for the worker to answer.")
+@click.pass_context
+def main(ctx, endpoint, config_path, timeout):
+    """Talk to a running dflashd."""
+    ctx.obj = DFlashClient(endpoint, config=config_path, timeout=timeout)
+
+
+@main.command()
+@click.argument("text", required=False)
+@click.option("--max-tokens", "-m", default=256, show_default=True, type=int)
+@click.option("--system", default=None, help="System message.")
+@click.option("--stop", multiple=True, help="Stop sequence (repeatable).")
+@click.option("--priority", default=0, show_default=True, type=int, help="Higher runs first.")
+@click.option("--raw", is_flag=True, help="Do not apply the chat template.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats).")
+@click.pass_obj
+def prompt(client: DFlashClient, text, max_tokens, system, stop, priority, raw, as_json):
+    """Generate from TEXT (stdin when omitted), streaming to stdout. Ctrl-C cancels the job."""
+    if text is None:
+        text = sys.stdin.read()
+    stream = client.stream(text, max_tokens=max_tokens, system=system, stop=stop, priority=priority, raw=raw)
+    try:
+        for delta in stream:
+            if not as_json:
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        stream.close()  # sends cancel
+        click.echo("\ndflash-client: cancelled", err=True)
+        sys.exit(130)
+    except E.DFlashError as e:
+        _fail(e)
+    res = stream.result
+    if as_json:
+        click.echo(json.dumps({"job_id": res.job_id, "text": res.text, "token_ids": res.token_ids,
+                               "finish_reason": res.finish_reason, "stats": res.stats}))
+    else:
+        click.echo()
+    if res.finish_reason == "timeout":
+        sys.exit(124)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_obj
+def status(client: DFlashClient, as_json):
+    """Worker health and counters."""
+    try:
+        st = client.stats()
+    except E.DFlashError as e:
+        _fail(e)
+    if as_json:
+        click.echo(json.dumps(st, indent=2))
+        return
+    for key in ("state", "pid", "endpoint", "accel", "uptime_s", "queued", "running", "jobs_done",
+                "jobs_failed", "jobs_cancelled", "tokens_generated", "restarts"):
+        click.echo(f"{key:18} {st.get(key)}")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_obj
+def jobs(client: DFlashClient, as_json):
+    """Running and queued jobs, in run order."""
+    try:
+        rows = client.jobs()
+    except E.DFlashError as e:
+        _fail(e)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        click.echo("no jobs")
+    for r in rows:
+        click.echo(f"{r['job_id']}  {r['state']:8} pos {r['position']:3}  prio {r['priority']:4}  "
+                   f"max_tokens {r['max_tokens']}  attempts {r['attempts']}")
+
+
+@main.command()
+@click.argument("job_id")
+@click.pass_obj
+def cancel(client: DFlashClient, job_id):
+    """Cancel a job by id."""
+    try:
+        click.echo(json.dumps(client.cancel(job_id)))
+    except E.DFlashError as e:
+        _fail(e)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+"""DFlashClient: talk to dflashd from any thread of any process (sync; asyncio in aio.py).
+
+Each call opens its own short-lived DEALER socket, so one client object is safe to share between
+threads and nothing outlives a call; ZeroMQ reconnects underneath while the worker restarts.
+Submits carry a client-made job id, which makes re-sending one (after a lost reply) harmless.
+While a job is in flight the worker sends heartbeats; silence longer than `heartbeat_timeout`
+raises WorkerGoneError, so a dead worker is noticed within seconds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import zmq
+import zmq.auth
+
+from dflash.daemon import codec
+from dflash.daemon import protocol as P
+from dflash.daemon.config import DaemonConfig, load_config
+
+from . import errors as E
+
+@dataclass
+class Result:
+    """A finished job: all text and ids, the engine's stats, and why it ended."""
+
+    job_id: str
+    text: str
+    token_ids: list[int]
+    stats: dict[str, Any]
+    finish_reason: str
+
+    @classmethod
+    def from_done(cls, d: P.Done) -> "Result":
+        return cls(d.job_id, d.text, list(d.token_ids), dict(d.stats), d.finish_reason)
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    from_draft: list[bool] = field(default_factory=list)
+
+
+def make_submit(
+    prompt: Any,
+    *,
+    system: str | None = None,
+    raw: bool = False,
+    max_tokens: int = 256,
+    stop: Sequence[str] = (),
+    priority: int = 0,
+    stream: bool = True,
+    timeout_s: float | None = None,
+    job_id: str | None = None,
+) -> P.Submit:
+    """A Submit from a text prompt, a list of chat messages, or a list of token ids."""
+    sub = P.Submit(system=system, raw=raw, max_tokens=max_tokens, stop=list(stop), priority=priority,
+                   stream=stream, timeout_s=timeout_s, job_id=job_id or uuid.uuid4().hex)
+    if isinstance(prompt, str):
+        sub.text = prompt
+    elif isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) for t in prompt):
+        sub.token_ids = list(prompt)
+    elif isinstance(prompt, Sequence) and all(isinstance(m, dict) for m in prompt):
+        sub.messages = [dict(m) for m in prompt]
+    else:
+        raise TypeError("prompt must be text, a list of chat messages (dicts) or a list of token ids")
+    return sub
+
+
+def client_config(endpoint: str | None, config: DaemonConfig | str | None) -> tuple[str, DaemonConfig]:
+    cfg = config if isinstance(config, DaemonConfig) else load_config(config)
+    return endpoint or os.environ.get("DFLASH_ENDPOINT") or cfg.resolved_endpoint(), cfg
+
+
+def setup_curve(sock: zmq.Socket, cfg: DaemonConfig) -> None:
+    """CURVE on the client side when the config names the server's public certificate."""
+    if not cfg.curve_server_public:
+        return
+    server_public, _ = zmq.auth.load_certificate(cfg.curve_server_public)
+    if cfg.curve_client_secret:
+        public, secret = zmq.auth.load_certificate(cfg.curve_client_secret)
+    else:
+        public, secret = zmq.curve_keypair()
+    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_public, public, secret
+
+
+class DFlashClient:
+    """Sync client. `timeout`: how long to wait for the worker to answer a request (it may be
+    starting or restarting); `heartbeat_timeout`: silence that means the worker died mid-job."""
+
+    def __init__(self, endpoint: str | None = None, *, config: DaemonConfig | str | None = None,
+                 timeout: float = 30.0, heartbeat_timeout: float = 1.5, retry_interval: float = 3.0):
+        self.endpoint, self._cfg = client_config(endpoint, config)
+        self.timeout = timeout
+        self.heartbeat_timeout = heartbeat_timeout
+        self.retry_interval = retry_interval
+        self._rids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._ctx: zmq.Context | None = None
+        self._pid = 0
+
+    # ------------------------------------------------------------------ plumbing
+    def _context(self) -> zmq.Context:
+        with self._lock:
+            if self._ctx is None or self._pid != os.getpid():  # a forked child needs its own
+                self._ctx, self._pid = zmq.Context(), os.getpid()
+            return self._ctx
+
+    def _socket(self) -> zmq.Socket:
+        sock = self._context().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        setup_curve(sock, self._cfg)
+        sock.connect(self.endpoint)
+        return sock
+
+    def _next_rid(self) -> int:
+        with self._lock:
+            return next(self._rids)
+
+    def _recv(self, sock: zmq.Socket, timeout: float) -> P.Reply | None:
+        if not sock.poll(max(timeout, 0) * 1000):
+            return None
+        frame = sock.recv()
+        try:
+            return codec.decode_reply(frame)
+        except P.ProtocolError as e:  # a peer speaking another protocol version, or garbage
+            raise E.DFlashError(e.code, f"bad reply from {self.endpoint}: {e.message}") from None
+
+    def _exchange(self, sock: zmq.Socket, msg: Any, timeout: float | None) -> P.Reply:
+        """Send (and re-send every retry_interval) until a reply to this rid arrives."""
+        msg.rid = self._next_rid()
+        frame = codec.encode(msg)
+        end = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while True:
+            sock.send(frame)
+            retry_at = min(end, time.monotonic() + self.retry_interval)
+            while (left := retry_at - time.monotonic()) > 0:
+                reply = self._recv(sock, left)
+                if reply is not None and reply.rid == msg.rid and not isinstance(reply, P.Heartbeat):
+                    if isinstance(reply, P.Error):
+                        raise E.from_reply(reply)
+                    return reply
+            if time.monotonic() >= end:
+                raise E.WorkerUnavailableError(
+                    "unavailable", f"no dflash worker answered at {self.endpoint} (is `dflashd start` running?)")
+
+    def _call(self, msg: Any, timeout: float | None = None) -> P.Reply:
+        sock = self._socket()
+        try:
+            return self._exchange(sock, msg, timeout)
+        finally:
+            sock.close(0)
+
+    # ------------------------------------------------------------------ generation
+    def stream(self, prompt: Any, **kw: Any) -> "Stream":
+        """Iterator of Delta; `.result` holds the Result once exhausted. Closing it early (or
+        leaving a `with` block, or the process dying) cancels the job."""
+        return Stream(self, make_submit(prompt, stream=True, **kw))
+
+    def generate(self, prompt: Any, **kw: Any) -> Result:
+        """Run one job to completion and return its Result (streamed underneath)."""
+        with self.stream(prompt, **kw) as s:
+            for _ in s:
+                pass
+            return s.result
+
+    def submit(self, prompt: Any, **kw: Any) -> "JobHandle":
+        """Queue a detached job (runs even if this process exits); returns a handle."""
+        reply = self._call(make_submit(prompt, stream=False, **kw))
+        return JobHandle(self, reply.job_id, reply.position)
+
+    def job(self, job_id: str) -> "JobHandle":
+        return JobHandle(self, job_id)
+
+    # ------------------------------------------------------------------ control
+    def cancel(self, job_id: str) -> dict:
+        return self._call(P.Cancel(job_id=job_id)).data
+
+    def status(self, job_id: str) -> P.Status:
+        return self._call(P.JobStatus(job_id=job_id))
+
+    def stats(self, timeout: float | None = None) -> dict:
+        return self._call(P.Stats(), timeout).data
+
+    def jobs(self) -> list[dict]:
+        return self._call(P.Jobs()).data["jobs"]
+
+    def models(self) -> list[dict]:
+        return self._call(P.Models()).data["models"]
+
+    def shutdown(self, timeout: float | None = None) -> dict:
+        return self._call(P.Shutdown(), timeout).data
+
+    def close(self) -> None:
+        with self._lock:
+            if self._ctx is not None and self._pid == os.getpid():
+                self._ctx.destroy(0)
+            self._ctx = None
+
+    def __enter__(self) -> "DFlashClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class Stream:
+    """One streamed job on its own socket: yields Delta, ends with `.result` set."""
+
+    def __init__(self, client: DFlashClient, submit: P.Submit):
+        self.client = client
+        self.job_id = submit.job_id
+        self.result: Result | None = None
+        self.position = -1
+        self._sock = client._socket()
+        self._submit = submit
+        self._started = False
+        self._closed = False
+
+    def __iter__(self) -> Iterator[Delta]:
+        return self._events()
+
+    def _events(self) -> Iterator[Delta]:
+        c = self.client
+        try:
+            accepted = c._exchange(self._sock, self._submit, None)
+            self.position = accepted.position
+            self._started = True
+            rid = self._submit.rid
+            while True:
+                reply = c._recv(self._sock, c.heartbeat_timeout)
+                if reply is None:
+                    self._started = False  # the job outlives the worker: keep it, don't cancel it
+                    raise E.WorkerGoneError("worker_gone", f"the worker at {c.endpoint} stopped answering "
+                                            f"(no heartbeat for {c.heartbeat_timeout:g}s)", self.job_id)
+                if reply.rid != rid or isinstance(reply, (P.Heartbeat, P.Accepted)):
+                    continue
+                if isinstance(reply, P.Delta):
+                    yield Delta(reply.text, list(reply.token_ids), list(reply.from_draft))
+                elif isinstance(reply, P.Done):
+                    self.result = Result.from_done(reply)
+                    return
+                elif isinstance(reply, P.Error):
+                    raise E.from_reply(reply)
+        finally:
+            self.close()
+
+    def cancel(self) -> None:
+        if self._started and self.result is None:
+            try:
+                self.client._call(P.Cancel(job_id=self.job_id), timeout=2.0)
+            except E.DFlashError:
+                pass  # already finished, or the worker is gone: nothing left to stop
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.cancel()
+        self._sock.close(0)
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class JobHandle:
+    """A submitted job: poll its status, wait for its result, cancel it."""
+
+    def __init__(self, client: DFlashClient, job_id: str, position: int = -1):
+        self.client = client
+        self.job_id = job_id
+        self.position = position
+
+    def status(self) -> str:
+        return self.client.status(self.job_id).state
+
+    def cancel(self) -> dict:
+        return self.client.cancel(self.job_id)
+
+    def result(self, timeout: float | None = None, poll: float = 0.1) -> Result:
+        """Wait for the job (across worker restarts); raises the job's error if it failed."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                raise E.ClientTimeoutError("timeout", f"job {self.job_id} not finished in {timeout:g}s", self.job_id)
+            st = self.client.status(self.job_id)
+            if st.result is not None:
+                reply = P.parse_reply(st.result)
+                if isinstance(reply, P.Error):
+                    raise E.from_reply(reply)
+                return Result.from_done(reply)
+            time.sleep(poll if left is None else min(poll, left))

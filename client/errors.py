@@ -1,0 +1,60 @@
+"""Typed exceptions for what a dflashd request can end in (one per wire error code family)."""
+
+from __future__ import annotations
+
+from dflash.daemon import protocol as P
+
+
+class DFlashError(Exception):
+    """Any failure answered by, or about, the daemon. `code` is the wire error code."""
+
+    def __init__(self, code: str, message: str, job_id: str = ""):
+        super().__init__(f"[{code}] {message}")
+        self.code = code
+        self.message = message
+        self.job_id = job_id
+
+
+class BusyError(DFlashError):
+    """The queue is full; nothing was queued. Retry later."""
+
+
+class BadRequestError(DFlashError):
+    """The request was malformed or out of range."""
+
+
+class NotFoundError(DFlashError):
+    """No such job (never submitted, or its result expired)."""
+
+
+class JobFailedError(DFlashError):
+    """The job was accepted but could not produce a result."""
+
+
+class WorkerUnavailableError(DFlashError):
+    """No worker answered at the endpoint in time (not started, or restarting)."""
+
+
+class WorkerGoneError(DFlashError):
+    """The worker stopped answering while a job was in flight (heartbeats stopped). The job is
+    persisted: after the worker restarts it runs again, and `client.job(e.job_id).result()`
+    fetches its result."""
+
+
+class ClientTimeoutError(DFlashError):
+    """The caller's own time limit ran out while waiting for a job."""
+
+
+_BY_CODE = {
+    P.BUSY: BusyError,
+    P.BAD_REQUEST: BadRequestError,
+    P.BAD_FRAME: BadRequestError,
+    P.TOO_LARGE: BadRequestError,
+    P.UNKNOWN_OP: BadRequestError,
+    P.BAD_VERSION: BadRequestError,
+    P.NOT_FOUND: NotFoundError,
+}
+
+
+def from_reply(err: P.Error) -> DFlashError:
+    return _BY_CODE.get(err.code, JobFailedError)(err.code, err.message, err.job_id)

@@ -1,0 +1,136 @@
+"""Benchmark (not a test): tokens/s and time to first token through the daemon vs in-process.
+
+    python -m dflash.daemon.bench --model DIR --draft DIR --out FILE.json
+
+Same pair, same prompts, same greedy settings, same BLAS choice (this process re-executes itself
+with MKL preloaded when the worker would). In-process timings are taken around
+`stream_dflash_generate`; daemon timings around `DFlashClient.stream` in this process, so they
+include encoding, the socket hops and the queue. Medians over repeats after one warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import accel
+
+PROMPTS = [
+    "Explain speculative decoding in two sentences.",
+    "Write a short story about a fisherman at dawn.",
+    "def fibonacci(n): # explain this function",
+    "What is the capital of France, and why?",
+]
+
+
+def _summary(runs: list[dict]) -> dict:
+    keys = ("ttft_ms", "decode_tps", "e2e_tps", "tokens")
+    return {k: round(statistics.median(r[k] for r in runs), 2) for k in keys} | {"runs": len(runs)}
+
+
+def _timed(events, t0: float) -> dict:
+    first = None
+    tokens = 0
+    for ids in events:
+        if ids and first is None:
+            first = time.perf_counter()
+        tokens += len(ids)
+    end = time.perf_counter()
+    first = first or end
+    return {"ttft_ms": (first - t0) * 1000, "decode_tps": (tokens - 1) / max(end - first, 1e-9),
+            "e2e_tps": tokens / max(end - t0, 1e-9), "tokens": tokens}
+
+
+def bench_in_process(model: str, draft: str, max_tokens: int, repeats: int) -> list[dict]:
+    from dflash.engine.generate import TokenDelta, stream_dflash_generate
+    from dflash.engine.loading import load_pair
+    from dflash.engine.prompting import build_prompt
+
+    pair = load_pair(model, draft)
+    runs = []
+    for rep in range(repeats + 1):
+        for p in PROMPTS:
+            t0 = time.perf_counter()
+            ids = build_prompt(pair.tokenizer, p)
+            gen = stream_dflash_generate(pair.target, pair.drafter, pair.tokenizer, ids, max_tokens)
+            r = _timed((ev.token_ids for ev in gen if isinstance(ev, TokenDelta)), t0)
+            if rep:
+                runs.append(r)
+    return runs
+
+
+def bench_daemon(model: str, draft: str, max_tokens: int, repeats: int, blas: str) -> tuple[list[dict], dict]:
+    from dflash.client import DFlashClient
+
+    from .config import DaemonConfig
+
+    tmp = Path(tempfile.mkdtemp(prefix="dfb", dir="/tmp"))
+    cfg = DaemonConfig(model=model, draft=draft, runtime_dir=str(tmp / "run"), state_dir=str(tmp / "state"), blas=blas)
+    proc = subprocess.Popen([sys.executable, "-m", "dflash.daemon.supervisor", "--config-json", cfg.to_json()],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        with DFlashClient(cfg.resolved_endpoint(), config=cfg, timeout=120) as c:
+            while c.stats()["state"] == "loading":
+                time.sleep(0.1)
+            runs = []
+            for rep in range(repeats + 1):
+                for p in PROMPTS:
+                    t0 = time.perf_counter()
+                    r = _timed((d.token_ids for d in c.stream(p, max_tokens=max_tokens)), t0)
+                    if rep:
+                        runs.append(r)
+            stats = c.stats()
+            c.shutdown()
+        proc.wait(30)
+        return runs, stats
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dflash.daemon.bench")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--blas", default="auto", choices=["auto", "mkl", "none"])
+    args = ap.parse_args(argv)
+    accel.maybe_reexec(args.blas, module="dflash.daemon.bench")  # same BLAS as the worker gets
+
+    inproc = _summary(bench_in_process(args.model, args.draft, args.max_tokens, args.repeats))
+    runs, stats = bench_daemon(args.model, args.draft, args.max_tokens, args.repeats, args.blas)
+    daemon = _summary(runs)
+    result = {
+        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
+        "accel": accel.describe(),
+        "model": args.model,
+        "max_tokens": args.max_tokens,
+        "prompts": len(PROMPTS),
+        "in_process": inproc,
+        "daemon": daemon,
+        "added_ttft_ms": round(daemon["ttft_ms"] - inproc["ttft_ms"], 2),
+        "decode_tps_ratio": round(daemon["decode_tps"] / max(inproc["decode_tps"], 1e-9), 3),
+        "e2e_tps_ratio": round(daemon["e2e_tps"] / max(inproc["e2e_tps"], 1e-9), 3),
+        "worker_accel": stats.get("accel"),
+    }
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

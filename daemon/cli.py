@@ -1,0 +1,240 @@
+"""`dflashd`: start, stop, status, restart, logs, install, uninstall the local daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .config import DaemonConfig, load_config
+
+
+def _config_options(f: Any) -> Any:
+    """Flags that override the config file and env (None = not given)."""
+    opts = [
+        click.option("--config", "config_path", default=None, help="TOML config (default: $DFLASH_CONFIG or ~/.config/dflash/config.toml)."),
+        click.option("--model", default=None, help="Target model directory."),
+        click.option("--draft", default=None, help="Draft directory (default: from the registry)."),
+        click.option("--dtype", default=None, type=click.Choice(["float32", "bfloat16", "float16"])),
+        click.option("--endpoint", default=None, help="ipc://PATH or tcp://HOST:PORT."),
+        click.option("--state-dir", default=None, help="Jobs, results and logs."),
+        click.option("--runtime-dir", default=None, help="Sockets and pid files (mode 0700)."),
+        click.option("--max-queue", default=None, type=int),
+        click.option("--blas", default=None, type=click.Choice(["auto", "mkl", "none"])),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _resolve(config_path: str | None, **flags: Any) -> DaemonConfig:
+    try:
+        cfg = load_config(config_path, flags)
+        cfg.validate()
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from e
+    return cfg
+
+
+def _client(cfg: DaemonConfig, timeout: float):
+    from dflash.client.client import DFlashClient
+
+    return DFlashClient(cfg.resolved_endpoint(), config=cfg, timeout=timeout, retry_interval=timeout)
+
+
+def _supervisor_pid(cfg: DaemonConfig) -> int | None:
+    try:
+        pid = int((cfg.runtime_path() / "supervisor.pid").read_text())
+        os.kill(pid, 0)
+        return pid
+    except (OSError, ValueError):
+        return None
+
+
+def _worker_restarts(cfg: DaemonConfig) -> int:
+    try:
+        state = json.loads((cfg.runtime_path() / "supervisor.json").read_text())
+        return int(state["children"]["worker"]["restarts"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def _stats(cfg: DaemonConfig, timeout: float) -> dict | None:
+    from dflash.client.errors import DFlashError
+
+    try:
+        with _client(cfg, timeout) as c:
+            return c.stats()
+    except DFlashError:
+        return None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """dflashd: the local DFlash daemon (worker, job queue, supervisor)."""
+
+
+@main.command()
+@_config_options
+@click.option("--foreground", is_flag=True, help="Run the supervisor attached (launchd/systemd).")
+@click.option("--wait", "wait_s", default=120.0, show_default=True, help="Seconds to wait for the model to load.")
+def start(config_path, foreground, wait_s, **flags):
+    """Start the supervisor, which starts the worker (and restarts it if it dies)."""
+    cfg = _resolve(config_path, **flags)
+    if not cfg.model:
+        raise click.ClickException("no model configured: pass --model, set DFLASH_MODEL or `model` in the config")
+    if _supervisor_pid(cfg) or _stats(cfg, 0.5):
+        raise click.ClickException(f"dflashd is already running at {cfg.resolved_endpoint()}")
+    if foreground:
+        from .supervisor import main as sup_main
+
+        sys.exit(sup_main(["--config-json", cfg.to_json()]))
+    from . import paths
+
+    log_dir = paths.private_dir(cfg.log_path())
+    log = open(log_dir / "dflashd.log", "ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash.daemon.supervisor", "--config-json", cfg.to_json()],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise click.ClickException(f"dflashd exited with {proc.returncode}; see {log_dir / 'dflashd.log'}")
+        crashes = _worker_restarts(cfg)
+        if crashes >= 2:
+            raise click.ClickException(f"the worker keeps crashing ({crashes} restarts); see {log_dir / 'dflashd.log'}")
+        st = _stats(cfg, 0.5)
+        if st and st["state"] != "loading":
+            if st["state"] == "failed":
+                raise click.ClickException(f"worker up but the model failed to load: {st['error']}")
+            click.echo(f"dflashd started (supervisor {proc.pid}, worker {st['pid']}) at {cfg.resolved_endpoint()}; {st['accel']}")
+            return
+    raise click.ClickException(f"dflashd did not become ready in {wait_s:g}s; see {log_dir / 'dflashd.log'}")
+
+
+@main.command()
+@_config_options
+@click.option("--timeout", default=30.0, show_default=True)
+def stop(config_path, timeout, **flags):
+    """Ask the worker to shut down (a running job is re-queued), then wait for the supervisor."""
+    cfg = _resolve(config_path, **flags)
+    pid = _supervisor_pid(cfg)
+    from dflash.client.errors import DFlashError
+
+    try:
+        with _client(cfg, 2.0) as c:
+            c.shutdown()
+    except DFlashError:
+        if pid is None:
+            raise click.ClickException("dflashd is not running") from None
+        os.kill(pid, signal.SIGTERM)
+    end = time.monotonic() + timeout
+    while pid is not None and time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            break
+        time.sleep(0.1)
+    else:
+        if pid is not None:
+            os.kill(pid, signal.SIGTERM)
+    click.echo("dflashd stopped")
+
+
+@main.command()
+@_config_options
+@click.option("--json", "as_json", is_flag=True)
+def status(config_path, as_json, **flags):
+    """Supervisor and worker state: pid, model, accelerator setup, queue, counters."""
+    cfg = _resolve(config_path, **flags)
+    st = _stats(cfg, 2.0)
+    sup = _supervisor_pid(cfg)
+    info = {"endpoint": cfg.resolved_endpoint(), "supervisor_pid": sup, "worker": st}
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+    elif st is None:
+        click.echo(f"dflashd: not running at {info['endpoint']}" + (f" (supervisor {sup} is up)" if sup else ""))
+    else:
+        click.echo(f"dflashd: {st['state']} at {info['endpoint']}")
+        click.echo(f"  supervisor pid {sup}, worker pid {st['pid']}, up {st['uptime_s']:.0f}s, restarts {st['restarts']}")
+        click.echo(f"  accelerator: {st['accel']}")
+        click.echo(f"  queue: {st['queued']} waiting (max {st['max_queue']}), running {st['running']}")
+        click.echo(f"  jobs: {st['jobs_done']} done, {st['jobs_failed']} failed, {st['jobs_cancelled']} cancelled;"
+                   f" {st['tokens_generated']} tokens; {st['bad_frames']} bad frames")
+    if st is None:
+        sys.exit(3)
+
+
+@main.command()
+@_config_options
+@click.option("--wait", "wait_s", default=120.0, show_default=True)
+@click.pass_context
+def restart(ctx, config_path, wait_s, **flags):
+    """stop (if running), then start."""
+    cfg = _resolve(config_path, **flags)
+    if _supervisor_pid(cfg) or _stats(cfg, 0.5):
+        ctx.invoke(stop, config_path=config_path, timeout=30.0, **flags)
+    ctx.invoke(start, config_path=config_path, foreground=False, wait_s=wait_s, **flags)
+
+
+@main.command()
+@_config_options
+@click.option("-n", "lines", default=50, show_default=True)
+@click.option("-f", "follow", is_flag=True, help="Keep printing new lines.")
+def logs(config_path, lines, follow, **flags):
+    """Print the daemon's log (supervisor and worker)."""
+    cfg = _resolve(config_path, **flags)
+    path = cfg.log_path() / "dflashd.log"
+    if not path.exists():
+        raise click.ClickException(f"no log at {path}")
+    with open(path, "rb") as fh:
+        for line in fh.readlines()[-lines:]:
+            click.echo(line.decode(errors="replace"), nl=False)
+        while follow:
+            line = fh.readline()
+            if line:
+                click.echo(line.decode(errors="replace"), nl=False)
+            else:
+                time.sleep(0.3)
+
+
+@main.command()
+@_config_options
+@click.option("--dest", default=None, help="Write the agent files here instead of the system location.")
+@click.option("--no-load", is_flag=True, help="Only write the files; do not bootstrap/enable them.")
+@click.option("--kind", type=click.Choice(["auto", "launchd", "systemd"]), default="auto", show_default=True)
+def install(config_path, dest, no_load, kind, **flags):
+    """Install launchd agents (macOS) or a systemd user unit (Linux) that keep dflashd running."""
+    from .install import install_agents
+
+    cfg = _resolve(config_path, **flags)
+    try:
+        lines = install_agents(cfg, Path(dest) if dest else None, load=not no_load, kind=kind)
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from e
+    for line in lines:
+        click.echo(line)
+
+
+@main.command()
+@click.option("--dest", default=None)
+@click.option("--no-load", is_flag=True)
+@click.option("--kind", type=click.Choice(["auto", "launchd", "systemd"]), default="auto", show_default=True)
+def uninstall(dest, no_load, kind):
+    """Remove what `dflashd install` wrote (and unload it)."""
+    from .install import uninstall_agents
+
+    for line in uninstall_agents(Path(dest) if dest else None, unload=not no_load, kind=kind):
+        click.echo(line)
+
+
+if __name__ == "__main__":
+    main()

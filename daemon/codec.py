@@ -1,0 +1,50 @@
+"""The one msgpack encoder/decoder of the wire (no pickle anywhere): bytes <-> typed structs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from . import protocol as P
+
+DEFAULT_MAX_FRAME = 1 << 20  # 1 MiB: a prompt of ~250k tokens as ids, far beyond any context here
+
+
+def encode(msg: Any) -> bytes:
+    """One frame for a protocol struct (or an already-built map)."""
+    m = msg if isinstance(msg, dict) else P.to_map(msg)
+    return msgpack.packb(m, use_bin_type=True)
+
+
+def decode_map(frame: bytes, max_bytes: int = DEFAULT_MAX_FRAME) -> Any:
+    """The msgpack value in a frame; ProtocolError when oversized or not valid msgpack."""
+    if len(frame) > max_bytes:
+        raise P.ProtocolError(P.TOO_LARGE, f"frame of {len(frame)} bytes exceeds the cap of {max_bytes}")
+    try:
+        return msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+        )
+    except Exception as e:  # msgpack raises several unrelated types on bad bytes
+        raise P.ProtocolError(P.BAD_FRAME, f"not a valid msgpack message: {type(e).__name__}") from None
+
+
+def decode_request(frame: bytes, max_bytes: int = DEFAULT_MAX_FRAME) -> P.Request:
+    return P.parse_request(decode_map(frame, max_bytes))
+
+
+def decode_reply(frame: bytes, max_bytes: int = 64 << 20) -> P.Reply:
+    return P.parse_reply(decode_map(frame, max_bytes))
+
+
+def peek_rid(frame: bytes) -> int:
+    """Best-effort request id of a frame that failed to parse, so the error names its request."""
+    try:
+        m = msgpack.unpackb(frame, raw=False)
+        rid = m.get("rid", 0) if isinstance(m, dict) else 0
+        return rid if isinstance(rid, int) and not isinstance(rid, bool) and -(2**63) <= rid < 2**64 else 0
+    except Exception:
+        return 0

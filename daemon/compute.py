@@ -1,0 +1,150 @@
+"""The worker's single MLX thread: load the pair once, then pop a job, run the engine, emit.
+
+Everything that touches MLX runs here (MLX streams belong to the thread that made them). It
+talks to the socket thread only through the job queue (in) and an event queue plus a wake-up
+frame on an inproc socket (out), and it never lets an exception escape a job.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue as _queue
+import threading
+import traceback
+from typing import Any, Callable
+
+from . import protocol as P
+from .config import DaemonConfig
+from .queue import Job, JobQueue
+from .store import JobStore
+
+log = logging.getLogger("dflash.worker")
+
+
+class Compute:
+    def __init__(self, cfg: DaemonConfig, jobs: JobQueue, store: JobStore, wake: Callable[[], None]):
+        self.cfg = cfg
+        self.jobs = jobs
+        self.store = store
+        self.wake = wake  # called after putting events, from this thread
+        self.events: _queue.SimpleQueue[tuple[str, Any]] = _queue.SimpleQueue()
+        self.ready = threading.Event()
+        self.load_error: str | None = None
+        self.pair: Any = None
+        self.vocab_size = 0
+        self.counters = {"jobs_done": 0, "jobs_failed": 0, "jobs_cancelled": 0, "tokens_generated": 0}
+
+    # ------------------------------------------------------------------ thread body
+    def run(self) -> None:
+        self._load()
+        while True:
+            job = self.jobs.pop(timeout=None)
+            if job is None:  # queue closed: shutting down
+                return
+            self._run_job(job)
+
+    def _load(self) -> None:
+        try:
+            from dflash.engine.loading import load_pair
+
+            self.pair = load_pair(self.cfg.model, self.cfg.draft, dtype=self.cfg.dtype)
+            self.vocab_size = int(self.pair.target.vocab_size)
+            log.info("loaded %s with draft %s", self.pair.model_path, self.pair.draft_path)
+        except Exception as e:  # the worker stays up and answers not_ready with the reason
+            self.load_error = f"{type(e).__name__}: {e}"
+            log.error("model load failed: %s", self.load_error)
+        finally:
+            self.ready.set()
+
+    # ------------------------------------------------------------------ one job
+    def _emit(self, job: Job, msg: Any) -> None:
+        self.events.put((job.job_id, msg))
+        self.wake()
+
+    def _run_job(self, job: Job) -> None:
+        job.attempts += 1
+        self.store.save(job)  # a crash from here on counts as an attempt
+        try:
+            result, state = self._generate(job)
+        except Exception as e:  # engine failure: fail this job, keep serving
+            log.error("job %s failed: %s", job.job_id, traceback.format_exc())
+            result, state = P.Error(code=P.JOB_FAILED, message=f"{type(e).__name__}: {e}", job_id=job.job_id), "error"
+        if job.cancel_reason == "shutdown":
+            job.attempts -= 1  # a clean stop is not the job's fault: run it again next start
+            self.store.save(job)
+            self.jobs.finish(job, "queued")
+            self._emit(job, P.Error(code=P.SHUTTING_DOWN, message="worker is shutting down; the job "
+                                    "will run again when it restarts", job_id=job.job_id))
+            return
+        self.store.finish(job.job_id, P.to_map(result))
+        self.jobs.finish(job, state)
+        key = {"done": "jobs_done", "cancelled": "jobs_cancelled"}.get(state, "jobs_failed")
+        self.counters[key] += 1
+        self._emit(job, result)
+
+    def _generate(self, job: Job) -> tuple[Any, str]:
+        from dflash.engine.generate import Finished, stream_dflash_generate
+
+        if self.pair is None:
+            return P.Error(code=P.NOT_READY, message=f"model not loaded: {self.load_error}", job_id=job.job_id), "error"
+        req = job.request
+        try:
+            ids = self._prompt_ids(req)
+        except ValueError as e:
+            return P.Error(code=P.BAD_REQUEST, message=str(e), job_id=job.job_id), "error"
+
+        def should_cancel() -> bool:
+            if job.expired():
+                job.request_cancel("timeout")
+            return job.cancel.is_set()
+
+        final = None
+        for ev in stream_dflash_generate(
+            self.pair.target,
+            self.pair.drafter,
+            self.pair.tokenizer,
+            ids,
+            req.get("max_tokens", 256),
+            stop=req.get("stop") or (),
+            kv_bits=self.cfg.kv_bits,
+            should_cancel=should_cancel,
+        ):
+            if isinstance(ev, Finished):
+                final = ev
+            elif job.stream and (ev.text or ev.token_ids):
+                self._emit(job, P.Delta(job_id=job.job_id, text=ev.text, token_ids=ev.token_ids, from_draft=ev.from_draft))
+        stats = final.stats.to_dict()
+        reason = job.cancel_reason or stats.get("finish_reason", "")
+        stats["finish_reason"] = reason
+        self.counters["tokens_generated"] += len(final.token_ids)
+        done = P.Done(job_id=job.job_id, text=final.text, token_ids=final.token_ids, stats=stats, finish_reason=reason)
+        return done, ("cancelled" if reason == "cancelled" else "done")
+
+    def _prompt_ids(self, req: dict) -> list[int]:
+        from dflash.engine.prompting import build_prompt
+
+        if req.get("token_ids") is not None:
+            ids = list(req["token_ids"])
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"token id {bad[0]} outside the vocabulary (0..{self.vocab_size - 1})")
+        else:
+            prompt = req.get("messages") if req.get("messages") is not None else req.get("text")
+            ids = build_prompt(self.pair.tokenizer, prompt, system=req.get("system"), raw=bool(req.get("raw")))
+        if not ids:
+            raise ValueError("empty prompt")
+        if len(ids) > self.cfg.max_prompt_tokens:
+            raise ValueError(f"prompt of {len(ids)} tokens exceeds max_prompt_tokens={self.cfg.max_prompt_tokens}")
+        return ids
+
+    def models(self) -> dict[str, Any]:
+        if self.pair is None:
+            return {"loaded": False, "model": self.cfg.model, "draft": self.cfg.draft, "error": self.load_error}
+        return {
+            "loaded": True,
+            "model": self.pair.model_path,
+            "draft": self.pair.draft_path,
+            "block_size": self.pair.drafter.block_size,
+            "vocab_size": self.vocab_size,
+            "dtype": self.cfg.dtype,
+        }

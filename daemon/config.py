@@ -1,0 +1,153 @@
+"""dflashd configuration: defaults < config file (TOML) < DFLASH_* environment < command-line flags.
+
+One dataclass holds every setting; `load_config` applies the four layers in that order. The file
+is `--config PATH`, else $DFLASH_CONFIG, else ~/.config/dflash/config.toml (if present). Each
+field `name` can be set by the env var DFLASH_<NAME> (e.g. DFLASH_MAX_QUEUE=128).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from . import paths
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclass
+class DaemonConfig:
+    # model pair
+    model: str | None = None
+    draft: str | None = None
+    dtype: str | None = None
+    kv_bits: int | None = None
+    # endpoints and directories ("" = derived from runtime_dir)
+    endpoint: str = ""
+    cache_endpoint: str = ""
+    runtime_dir: str = ""
+    state_dir: str = ""
+    # CURVE (required for tcp:// on a non-loopback address): zmq.auth certificate files
+    curve_server_secret: str = ""  # the worker's secret cert
+    curve_server_public: str = ""  # the worker's public cert (clients)
+    curve_client_secret: str = ""  # a client's secret cert (clients; generated if empty)
+    # queue
+    max_queue: int = 64
+    max_tokens_limit: int = 8192
+    max_prompt_tokens: int = 32768
+    max_frame_bytes: int = 1 << 20
+    job_timeout_s: float = 600.0
+    max_attempts: int = 3
+    result_retention_s: float = 3600.0
+    heartbeat_s: float = 0.4
+    # cache budgets (used by the cache process; a later issue)
+    l1_cache_gb: float = 2.0
+    l2_cache_gb: float = 20.0
+    # platform
+    blas: str = "auto"  # auto | mkl | none
+    restart_backoff_s: float = 0.5
+    restart_backoff_max_s: float = 30.0
+
+    def resolved_endpoint(self) -> str:
+        return self.endpoint or f"ipc://{self.runtime_path() / 'worker.sock'}"
+
+    def runtime_path(self) -> Path:
+        return Path(self.runtime_dir) if self.runtime_dir else paths.default_runtime_dir()
+
+    def state_path(self) -> Path:
+        return Path(self.state_dir) if self.state_dir else paths.default_state_dir()
+
+    def log_path(self) -> Path:
+        return self.state_path() / "logs"
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "DaemonConfig":
+        """From a JSON string, or from a JSON file when `text` is "@PATH" (installed agents)."""
+        if text.startswith("@"):
+            text = Path(text[1:]).read_text()
+        return _apply(cls(), json.loads(text), "resolved config")
+
+    def validate(self) -> None:
+        """Refuse settings that would be unsafe or meaningless; raises ValueError."""
+        ep = self.resolved_endpoint()
+        if ep.startswith("tcp://"):
+            host = ep[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+            if not _is_loopback(host) and not self.curve_server_secret:
+                raise ValueError(f"{ep} is not a loopback address: set curve_server_secret (CURVE keys)")
+        elif not ep.startswith("ipc://"):
+            raise ValueError(f"endpoint must be ipc:// or tcp://, got {ep!r}")
+        if self.blas not in ("auto", "mkl", "none"):
+            raise ValueError(f"blas must be auto, mkl or none, got {self.blas!r}")
+        for name in ("max_queue", "max_tokens_limit", "max_prompt_tokens", "max_frame_bytes", "max_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(DaemonConfig)}
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    """A value of the field's type from TOML/JSON values or env strings."""
+    default = _FIELDS[name].default
+    kind = type(default) if default is not None else (int if name == "kv_bits" else str)
+    if value is None or (isinstance(value, str) and value == "" and default is None):
+        return None
+    try:
+        if kind is bool:
+            return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on")
+        if kind in (int, float) and not isinstance(value, bool):
+            return kind(value)
+        if kind is str:
+            return str(value)
+    except (TypeError, ValueError):
+        pass
+    raise ValueError(f"{source}: {name} must be {kind.__name__}, got {value!r}")
+
+
+def _apply(cfg: DaemonConfig, values: Mapping[str, Any], source: str) -> DaemonConfig:
+    unknown = sorted(k for k in values if k not in _FIELDS)
+    if unknown:
+        raise ValueError(f"{source}: unknown setting(s) {', '.join(unknown)}")
+    return dataclasses.replace(cfg, **{k: _coerce(k, v, source) for k, v in values.items()})
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> DaemonConfig:
+    """Defaults, then the TOML file, then DFLASH_* env vars, then `overrides` (flags; None skipped)."""
+    env = os.environ if env is None else env
+    cfg = DaemonConfig()
+    file = Path(path) if path else Path(env["DFLASH_CONFIG"]) if env.get("DFLASH_CONFIG") else None
+    if file is None and paths.default_config_file().is_file():
+        file = paths.default_config_file()
+    if file is not None:
+        with open(file, "rb") as fh:
+            data = tomllib.load(fh)
+        cfg = _apply(cfg, data.get("daemon", data), str(file))
+    from_env = {n: env[f"DFLASH_{n.upper()}"] for n in _FIELDS if f"DFLASH_{n.upper()}" in env}
+    cfg = _apply(cfg, from_env, "environment")
+    cfg = _apply(cfg, {k: v for k, v in (overrides or {}).items() if v is not None}, "flags")
+    return cfg

