@@ -1,6 +1,6 @@
 """`dflashd install|uninstall`: launchd agents on macOS, a systemd user unit on Linux.
 
-The templates ship inside the package (dflash/daemon/launchd/). The plists are filled through
+The templates ship inside the package (the top-level launchd/ folder, installed as dflash.launchd). The plists are filled through
 plistlib (parse the template, replace @...@ strings, dump), so a path with odd characters can
 never produce an invalid plist. The resolved configuration is written once to
 <state>/daemon.json and the agents point at it, so launchd and shells agree on every path.
@@ -25,7 +25,7 @@ UNIT = "dflashd.service"
 
 
 def template(name: str) -> str:
-    return resources.files("dflash.daemon").joinpath("launchd", name).read_text()
+    return resources.files("dflash.launchd").joinpath(name).read_text()
 
 
 def _fill(value: Any, subs: dict[str, str]) -> Any:

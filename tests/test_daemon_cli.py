@@ -72,7 +72,7 @@ def test_install_renders_valid_plists_that_start_a_worker(tiny_pair, dirs, tmp_p
     assert args[:3] == [sys.executable, "-m", "dflash.daemon.worker"] and args[3] == "--config-json"
     cfg = json.loads(Path(args[4][1:]).read_text())
     assert cfg["model"] == model and cfg["endpoint"].startswith("ipc://")
-    cache_tpl = plistlib.loads((Path(__file__).parents[1] / "daemon" / "launchd" / "com.dflash.cache.plist").read_bytes())
+    cache_tpl = plistlib.loads((Path(__file__).parents[1] / "launchd" / "com.dflash.cache.plist").read_bytes())
     assert cache_tpl["ProgramArguments"][2] == "dflash.cache.server"
 
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # as launchd would
