@@ -281,7 +281,8 @@ def _lock(directory: Path):
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         f.close()
-        raise SystemExit(f"another cache process holds {directory}")
+        log.error("another cache process holds %s", directory)
+        raise SystemExit(3)  # like the worker: a supervisor does not retry this
     return f  # kept open for the life of the process; the kernel drops it on any exit
 
 
@@ -293,6 +294,8 @@ def run(directory: str | Path, endpoint: str, size_limit: int = DEFAULT_SIZE_LIM
         Path(endpoint[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True)
     store = Store(directory, size_limit)
     server = Server(store, endpoint)
+    if endpoint.startswith("ipc://"):
+        os.chmod(endpoint[len("ipc://"):], 0o600)  # its directory is the 0700 runtime dir
 
     def stop(*_: Any) -> None:  # handlers only set state; the loop notices within 200 ms
         server.running = False

@@ -5,6 +5,7 @@ from .client import DFlashClient, Delta, JobHandle, Result, Stream
 from .errors import (
     BadRequestError,
     BusyError,
+    CacheUnavailableError,
     ClientTimeoutError,
     DFlashError,
     JobFailedError,
@@ -17,6 +18,7 @@ __all__ = [
     "AsyncDFlashClient",
     "BadRequestError",
     "BusyError",
+    "CacheUnavailableError",
     "ClientTimeoutError",
     "DFlashClient",
     "DFlashError",

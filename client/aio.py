@@ -137,5 +137,17 @@ class AsyncDFlashClient:
     async def models(self) -> list[dict]:
         return (await self._call(P.Models())).data["models"]
 
+    async def put_positions(self, name: str, positions: list[int]) -> dict:
+        return (await self._call(P.PutPositions(name=name, positions=[int(p) for p in positions]))).data
+
+    async def get_positions(self, name: str) -> list[int]:
+        return list((await self._call(P.GetPositions(name=name))).data["positions"])
+
+    async def list_positions(self) -> list[str]:
+        return list((await self._call(P.ListPositions())).data["names"])
+
+    async def delete_positions(self, name: str) -> bool:
+        return bool((await self._call(P.DeletePositions(name=name))).data["deleted"])
+
     def close(self) -> None:
         self._ctx.destroy(0)

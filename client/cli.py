@@ -40,12 +40,20 @@ def main(ctx, endpoint, config_path, timeout):
 @click.option("--priority", default=0, show_default=True, type=int, help="Higher runs first.")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats).")
+@click.option("--cache", type=click.Choice(["use", "bypass", "refresh"]), default=None,
+              help="Prefix cache policy (default: use; sparse prefill bypasses it).")
+@click.option("--positions", "positions_text", default=None,
+              help="Sparse prefill: prompt token indices, e.g. '0-63,128-255,300'.")
+@click.option("--positions-name", default=None, help="Sparse prefill with a stored position list.")
 @click.pass_obj
-def prompt(client: DFlashClient, text, max_tokens, system, stop, priority, raw, as_json):
+def prompt(client: DFlashClient, text, max_tokens, system, stop, priority, raw, as_json, cache, positions_text,
+           positions_name):
     """Generate from TEXT (stdin when omitted), streaming to stdout. Ctrl-C cancels the job."""
     if text is None:
         text = sys.stdin.read()
-    stream = client.stream(text, max_tokens=max_tokens, system=system, stop=stop, priority=priority, raw=raw)
+    positions = _parse_positions(positions_text) if positions_text else None
+    stream = client.stream(text, max_tokens=max_tokens, system=system, stop=stop, priority=priority, raw=raw,
+                           cache=cache, positions=positions, positions_name=positions_name)
     try:
         for delta in stream:
             if not as_json:
@@ -82,6 +90,79 @@ def status(client: DFlashClient, as_json):
     for key in ("state", "pid", "endpoint", "accel", "uptime_s", "queued", "running", "jobs_done",
                 "jobs_failed", "jobs_cancelled", "tokens_generated", "restarts"):
         click.echo(f"{key:18} {st.get(key)}")
+    for line in cache_lines(st.get("cache")):
+        click.echo(line)
+
+
+def cache_lines(cache: dict | None) -> list[str]:
+    """Human lines for the `cache` map of the worker's stats (shared with `dflashd status`)."""
+    if not cache or not cache.get("enabled"):
+        return [f"{'cache':18} off"]
+    l1, l2 = cache.get("l1", {}), cache.get("l2", {})
+    return [
+        f"{'cache':18} L2 {'up' if cache.get('l2_up') else 'DOWN (serving from L1)'} at {cache.get('endpoint')}",
+        f"{'cache hits':18} {cache.get('hits', 0)} of {cache.get('lookups', 0)} lookups "
+        f"({cache.get('hit_tokens', 0)} prompt tokens reused; L1 {l1.get('hits', 0)}, L2 {l2.get('hits', 0)})",
+        f"{'cache L1':18} {l1.get('entries', 0)} entries, {_mib(l1.get('bytes', 0))}, {l1.get('evictions', 0)} evictions",
+        f"{'cache L2':18} {l2.get('entries', 0)} entries, {_mib(l2.get('bytes', 0))}, {l2.get('evictions', 0)} evictions",
+    ]
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def _parse_positions(text: str) -> list[int]:
+    """'0-63,100,128-255' -> [0..63, 100, 128..255] (ranges inclusive)."""
+    out: list[int] = []
+    try:
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            lo, _, hi = part.partition("-")
+            out.extend(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise click.BadParameter(f"not a position list: {text!r}") from None
+    return out
+
+
+@main.group()
+def positions():
+    """Named sparse-prefill position lists (kept by the cache process, shared by every app)."""
+
+
+@positions.command("put")
+@click.argument("name")
+@click.argument("spec")
+@click.pass_obj
+def positions_put(client: DFlashClient, name, spec):
+    """Store SPEC (e.g. '0-63,128-255') under NAME."""
+    _print(lambda: client.put_positions(name, _parse_positions(spec)))
+
+
+@positions.command("get")
+@click.argument("name")
+@click.pass_obj
+def positions_get(client: DFlashClient, name):
+    _print(lambda: client.get_positions(name))
+
+
+@positions.command("list")
+@click.pass_obj
+def positions_list(client: DFlashClient):
+    _print(client.list_positions)
+
+
+@positions.command("delete")
+@click.argument("name")
+@click.pass_obj
+def positions_delete(client: DFlashClient, name):
+    _print(lambda: {"name": name, "deleted": client.delete_positions(name)})
+
+
+def _print(call) -> None:
+    try:
+        click.echo(json.dumps(call()))
+    except E.DFlashError as e:
+        _fail(e)
 
 
 @main.command()

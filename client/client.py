@@ -59,10 +59,20 @@ def make_submit(
     stream: bool = True,
     timeout_s: float | None = None,
     job_id: str | None = None,
+    cache: str | None = None,
+    positions: Sequence[int] | None = None,
+    positions_name: str | None = None,
+    template_args: dict | None = None,
 ) -> P.Submit:
-    """A Submit from a text prompt, a list of chat messages, or a list of token ids."""
+    """A Submit from a text prompt, a list of chat messages, or a list of token ids.
+
+    cache: "use" (default), "bypass" or "refresh"; positions / positions_name: sparse prefill of
+    those indices of the prompt's token ids (a list given here, or one stored by name)."""
     sub = P.Submit(system=system, raw=raw, max_tokens=max_tokens, stop=list(stop), priority=priority,
-                   stream=stream, timeout_s=timeout_s, job_id=job_id or uuid.uuid4().hex)
+                   stream=stream, timeout_s=timeout_s, job_id=job_id or uuid.uuid4().hex, cache=cache,
+                   positions=None if positions is None else [int(p) for p in positions],
+                   positions_name=positions_name)
+    sub.template_args = template_args  # chat template keyword arguments (e.g. enable_thinking)
     if isinstance(prompt, str):
         sub.text = prompt
     elif isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) for t in prompt):
@@ -197,6 +207,22 @@ class DFlashClient:
 
     def shutdown(self, timeout: float | None = None) -> dict:
         return self._call(P.Shutdown(), timeout).data
+
+    # ------------------------------------------------------------------ position lists
+    def put_positions(self, name: str, positions: Sequence[int]) -> dict:
+        """Store (or replace) a named sparse-prefill position list, shared by every app."""
+        return self._call(P.PutPositions(name=name, positions=[int(p) for p in positions])).data
+
+    def get_positions(self, name: str) -> list[int]:
+        """The list stored under `name`; NotFoundError when there is none."""
+        return list(self._call(P.GetPositions(name=name)).data["positions"])
+
+    def list_positions(self) -> list[str]:
+        return list(self._call(P.ListPositions()).data["names"])
+
+    def delete_positions(self, name: str) -> bool:
+        """True when a list was deleted."""
+        return bool(self._call(P.DeletePositions(name=name)).data["deleted"])
 
     def close(self) -> None:
         with self._lock:

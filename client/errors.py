@@ -41,6 +41,10 @@ class WorkerGoneError(DFlashError):
     fetches its result."""
 
 
+class CacheUnavailableError(DFlashError):
+    """The cache process (which keeps position lists) did not answer; it restarts by itself."""
+
+
 class ClientTimeoutError(DFlashError):
     """The caller's own time limit ran out while waiting for a job."""
 
@@ -53,6 +57,9 @@ _BY_CODE = {
     P.UNKNOWN_OP: BadRequestError,
     P.BAD_VERSION: BadRequestError,
     P.NOT_FOUND: NotFoundError,
+    P.BAD_POSITIONS: BadRequestError,
+    P.SPARSE_WITH_CACHE: BadRequestError,
+    P.CACHE_UNAVAILABLE: CacheUnavailableError,
 }
 
 

@@ -169,6 +169,10 @@ def status(config_path, as_json, **flags):
         click.echo(f"  queue: {st['queued']} waiting (max {st['max_queue']}), running {st['running']}")
         click.echo(f"  jobs: {st['jobs_done']} done, {st['jobs_failed']} failed, {st['jobs_cancelled']} cancelled;"
                    f" {st['tokens_generated']} tokens; {st['bad_frames']} bad frames")
+        from dflash.client.cli import cache_lines
+
+        for line in cache_lines(st.get("cache")):
+            click.echo("  " + " ".join(line.split()))
     if st is None:
         sys.exit(3)
 

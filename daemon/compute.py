@@ -13,6 +13,7 @@ import threading
 import traceback
 from typing import Any, Callable
 
+from . import caching
 from . import protocol as P
 from .config import DaemonConfig
 from .queue import Job, JobQueue
@@ -31,6 +32,7 @@ class Compute:
         self.ready = threading.Event()
         self.load_error: str | None = None
         self.pair: Any = None
+        self.prefix_cache: Any = None  # dflash.cache.tiers.PrefixCache when cfg.cache
         self.vocab_size = 0
         self.counters = {"jobs_done": 0, "jobs_failed": 0, "jobs_cancelled": 0, "tokens_generated": 0}
 
@@ -50,6 +52,8 @@ class Compute:
             self.pair = load_pair(self.cfg.model, self.cfg.draft, dtype=self.cfg.dtype)
             self.vocab_size = int(self.pair.target.vocab_size)
             log.info("loaded %s with draft %s", self.pair.model_path, self.pair.draft_path)
+            if self.cfg.cache:
+                self.prefix_cache = caching.build_prefix_cache(self.cfg, self.pair)
         except Exception as e:  # the worker stays up and answers not_ready with the reason
             self.load_error = f"{type(e).__name__}: {e}"
             log.error("model load failed: %s", self.load_error)
@@ -92,6 +96,14 @@ class Compute:
             ids = self._prompt_ids(req)
         except ValueError as e:
             return P.Error(code=P.BAD_REQUEST, message=str(e), job_id=job.job_id), "error"
+        positions = req.get("positions")
+        sparse: dict[str, Any] = {}
+        if positions is not None:
+            if positions[-1] >= len(ids):
+                msg = f"position {positions[-1]} is outside the prompt of {len(ids)} tokens"
+                return P.Error(code=P.BAD_POSITIONS, message=msg, job_id=job.job_id), "error"
+            sparse = {"prompt_tokens_override": [ids[p] for p in positions], "prompt_token_positions": positions}
+        policy = req.get("cache") or ("bypass" if positions is not None else "use")
 
         def should_cancel() -> bool:
             if job.expired():
@@ -108,6 +120,8 @@ class Compute:
             stop=req.get("stop") or (),
             kv_bits=self.cfg.kv_bits,
             should_cancel=should_cancel,
+            prefix_cache=caching.for_policy(self.prefix_cache, policy),
+            **sparse,
         ):
             if isinstance(ev, Finished):
                 final = ev
@@ -130,7 +144,8 @@ class Compute:
                 raise ValueError(f"token id {bad[0]} outside the vocabulary (0..{self.vocab_size - 1})")
         else:
             prompt = req.get("messages") if req.get("messages") is not None else req.get("text")
-            ids = build_prompt(self.pair.tokenizer, prompt, system=req.get("system"), raw=bool(req.get("raw")))
+            ids = build_prompt(self.pair.tokenizer, prompt, system=req.get("system"), raw=bool(req.get("raw")),
+                               template_args=req.get("template_args"))
         if not ids:
             raise ValueError("empty prompt")
         if len(ids) > self.cfg.max_prompt_tokens:

@@ -49,9 +49,13 @@ class DaemonConfig:
     max_attempts: int = 3
     result_retention_s: float = 3600.0
     heartbeat_s: float = 0.4
-    # cache budgets (used by the cache process; a later issue)
+    # tiered prefix cache: L1 in the worker's RAM, L2 in the cache process (diskcache)
     l1_cache_gb: float = 2.0
     l2_cache_gb: float = 20.0
+    cache: bool = True  # false: no prefix cache and no cache process
+    l1_cache_entries: int = 64
+    cache_dir: str = ""  # L2 store ("" = <state_dir>/cache)
+    cache_every: int = 256  # snapshot interval (tokens) during prefill
     # platform
     blas: str = "auto"  # auto | mkl | none
     restart_backoff_s: float = 0.5
@@ -59,6 +63,17 @@ class DaemonConfig:
 
     def resolved_endpoint(self) -> str:
         return self.endpoint or f"ipc://{self.runtime_path() / 'worker.sock'}"
+
+    def resolved_cache_endpoint(self) -> str:
+        return self.cache_endpoint or f"ipc://{self.runtime_path() / 'cache.sock'}"
+
+    def cache_path(self) -> Path:
+        return Path(self.cache_dir) if self.cache_dir else self.state_path() / "cache"
+
+    def cache_args(self) -> list[str]:
+        """Arguments of `python -m dflash.cache.l2` for this configuration."""
+        return ["--dir", str(self.cache_path()), "--endpoint", self.resolved_cache_endpoint(),
+                "--size-limit", str(int(self.l2_cache_gb * (1 << 30)))]
 
     def runtime_path(self) -> Path:
         return Path(self.runtime_dir) if self.runtime_dir else paths.default_runtime_dir()
@@ -88,6 +103,14 @@ class DaemonConfig:
                 raise ValueError(f"{ep} is not a loopback address: set curve_server_secret (CURVE keys)")
         elif not ep.startswith("ipc://"):
             raise ValueError(f"endpoint must be ipc:// or tcp://, got {ep!r}")
+        cep = self.resolved_cache_endpoint()
+        if cep.startswith("tcp://"):
+            if not _is_loopback(cep[len("tcp://") :].rsplit(":", 1)[0].strip("[]")):
+                raise ValueError(f"cache_endpoint {cep} must be ipc:// or a loopback tcp:// address")
+        elif not cep.startswith("ipc://"):
+            raise ValueError(f"cache_endpoint must be ipc:// or tcp://, got {cep!r}")
+        if self.cache_every < 1 or self.l1_cache_entries < 0 or self.l1_cache_gb < 0 or self.l2_cache_gb <= 0:
+            raise ValueError("cache_every must be >= 1, l1 budgets >= 0 and l2_cache_gb > 0")
         if self.blas not in ("auto", "mkl", "none"):
             raise ValueError(f"blas must be auto, mkl or none, got {self.blas!r}")
         for name in ("max_queue", "max_tokens_limit", "max_prompt_tokens", "max_frame_bytes", "max_attempts"):

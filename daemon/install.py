@@ -45,13 +45,16 @@ def _pinned(cfg: DaemonConfig) -> DaemonConfig:
     import dataclasses
 
     return dataclasses.replace(cfg, runtime_dir=str(cfg.runtime_path()), state_dir=str(cfg.state_path()),
-                               endpoint=cfg.resolved_endpoint())
+                               endpoint=cfg.resolved_endpoint(), cache_endpoint=cfg.resolved_cache_endpoint(),
+                               cache_dir=str(cfg.cache_path()))
 
 
 def render_plist(agent: str, cfg: DaemonConfig, config_file: Path) -> bytes:
     data = plistlib.loads(template(f"{LABELS[agent]}.plist").encode())
+    cache_dir, endpoint, size = cfg.cache_args()[1::2]
     subs = {"LABEL": LABELS[agent], "PYTHON": sys.executable, "CONFIG": f"@{config_file}",
-            "LOG_DIR": str(cfg.log_path()), "STATE_DIR": str(cfg.state_path())}
+            "LOG_DIR": str(cfg.log_path()), "STATE_DIR": str(cfg.state_path()),
+            "CACHE_DIR": cache_dir, "CACHE_ENDPOINT": endpoint, "CACHE_SIZE": size}
     return plistlib.dumps(_fill(data, subs))
 
 
@@ -60,9 +63,9 @@ def render_unit(cfg: DaemonConfig, config_file: Path) -> str:
     return _fill(template(UNIT), subs)
 
 
-def _agents() -> list[str]:
-    # The cache agent joins once the cache process exists; until then the worker runs L1-only.
-    return ["worker"] + (["cache"] if importlib.util.find_spec("dflash.cache.server") else [])
+def _agents(cfg: DaemonConfig) -> list[str]:
+    # The worker serves L1-only whenever the cache agent is down (or the cache is off).
+    return ["worker"] + (["cache"] if cfg.cache and importlib.util.find_spec("dflash.cache.l2") else [])
 
 
 def _run(cmd: list[str]) -> str:
@@ -86,7 +89,7 @@ def install_agents(cfg: DaemonConfig, dest: Path | None = None, *, load: bool = 
     if kind == "launchd":
         dest = dest or Path.home() / "Library" / "LaunchAgents"
         dest.mkdir(parents=True, exist_ok=True)
-        for agent in _agents():
+        for agent in _agents(cfg):
             path = dest / f"{LABELS[agent]}.plist"
             path.write_bytes(render_plist(agent, cfg, config_file))
             lines.append(f"wrote {path}")

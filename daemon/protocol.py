@@ -31,6 +31,11 @@ TIMEOUT = "timeout"  # per-job time limit hit
 JOB_FAILED = "job_failed"  # the engine raised, or the job crashed the worker too often
 SHUTTING_DOWN = "shutting_down"
 INTERNAL = "internal"
+BAD_POSITIONS = "bad_positions"  # sparse positions out of order, out of range, or empty
+SPARSE_WITH_CACHE = "sparse_with_cache"  # sparse prefill asked to use/refresh the prefix cache
+CACHE_UNAVAILABLE = "cache_unavailable"  # the cache process (position lists) is not reachable
+
+CACHE_POLICIES = ("use", "bypass", "refresh")
 
 
 class ProtocolError(Exception):
@@ -62,6 +67,10 @@ class Submit:
     priority: int = 0  # higher runs first; FIFO within a priority
     stream: bool = True  # stream deltas to this connection and cancel when it goes away
     timeout_s: float | None = None  # per-job limit (capped by the worker's own limit)
+    cache: str | None = None  # prefix cache: "use" (None: use; bypass for sparse), "bypass", "refresh"
+    positions: list[int] | None = None  # sparse prefill: indices into the prompt's token ids
+    positions_name: str | None = None  # sparse prefill with a stored position list
+    template_args: dict | None = None  # chat template keyword arguments (e.g. enable_thinking)
 
 
 @dataclass
@@ -110,8 +119,40 @@ class Shutdown:
     rid: int = 0
 
 
-Request = Union[Submit, Cancel, JobStatus, Stats, Jobs, Models, Shutdown]
-REQUESTS: dict[str, type] = {c.op: c for c in (Submit, Cancel, JobStatus, Stats, Jobs, Models, Shutdown)}
+@dataclass
+class PutPositions:
+    """Store (or replace) a named sparse-prefill position list in the cache process."""
+
+    op: ClassVar[str] = "positions_put"
+    rid: int = 0
+    name: str = ""
+    positions: list[int] = field(default_factory=list)
+
+
+@dataclass
+class GetPositions:
+    op: ClassVar[str] = "positions_get"
+    rid: int = 0
+    name: str = ""
+
+
+@dataclass
+class ListPositions:
+    op: ClassVar[str] = "positions_list"
+    rid: int = 0
+
+
+@dataclass
+class DeletePositions:
+    op: ClassVar[str] = "positions_delete"
+    rid: int = 0
+    name: str = ""
+
+
+POSITION_OPS = (PutPositions, GetPositions, ListPositions, DeletePositions)
+Request = Union[Submit, Cancel, JobStatus, Stats, Jobs, Models, Shutdown, PutPositions, GetPositions,
+                ListPositions, DeletePositions]
+REQUESTS: dict[str, type] = {c.op: c for c in (Submit, Cancel, JobStatus, Stats, Jobs, Models, Shutdown, *POSITION_OPS)}
 
 # ----------------------------------------------------------------------------- replies
 

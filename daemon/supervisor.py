@@ -1,8 +1,10 @@
-"""The supervisor: keeps the worker (and, once it lands, the cache process) running.
+"""The supervisor: keeps the worker and the cache process (L2, when `cache` is on) running.
 
-It spawns each child as `python -m <module> --config-json ...`, restarts one that dies with
-exponential backoff (reset once a child has stayed up for a minute), and stops when a child
-exits 0 (a requested shutdown) or reports a configuration error (2, 3: restarting won't help).
+It spawns the worker as `python -m dflash.daemon.worker --config-json ...` and the cache process
+as `python -m dflash.cache.l2 --dir ... --endpoint ...`, restarts one that dies with exponential
+backoff (reset once a child has stayed up for a minute), and stops when the worker exits 0 (a
+requested shutdown) or a child reports a configuration error (2, 3: restarting won't help; a
+cache process that cannot start leaves the worker serving with L1 only).
 SIGTERM/SIGINT only set a flag; the loop forwards SIGTERM to the children and waits for them.
 `dflashd start` runs this detached; `dflashd start --foreground` (launchd/systemd) attached.
 """
@@ -40,19 +42,22 @@ class Child:
     done: bool = False
     last_rc: int | None = None
     extra_env: dict = field(default_factory=dict)
+    args: list[str] = field(default_factory=list)
 
 
 class Supervisor:
     def __init__(self, cfg: DaemonConfig):
         self.cfg = cfg
         self.stop = threading.Event()
-        # The cache process (L2) joins this list when it lands; until then the worker runs L1-only.
-        self.children = [Child("worker", "dflash.daemon.worker")]
+        self.children = [Child("worker", "dflash.daemon.worker", args=["--config-json", cfg.to_json()])]
+        if cfg.cache:  # started alongside; the worker serves L1-only whenever it is down
+            self.children.append(Child("cache", "dflash.cache.l2", args=cfg.cache_args(),
+                                       extra_env={"DFLASH_CACHE_LOG": "INFO"}))
         self.run_dir = paths.private_dir(cfg.runtime_path())
 
     def _spawn(self, child: Child) -> None:
         env = dict(os.environ, DFLASH_WORKER_RESTARTS=str(child.restarts), **child.extra_env)
-        cmd = [sys.executable, "-m", child.module, "--config-json", self.cfg.to_json()]
+        cmd = [sys.executable, "-m", child.module, *child.args]
         child.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
         child.started_at = time.monotonic()
         log.info("started %s pid %d (restart %d)", child.name, child.proc.pid, child.restarts)
@@ -75,7 +80,7 @@ class Supervisor:
         if child.proc is None or rc is None:
             return
         child.last_rc, child.proc = rc, None
-        if rc == 0 or rc in FATAL_CODES:
+        if rc in FATAL_CODES or (rc == 0 and child.name == "worker"):
             log.info("%s exited with %d; not restarting", child.name, rc)
             child.done = True
             if child.name == "worker":

@@ -28,7 +28,10 @@ from typing import Any
 import zmq
 import zmq.auth
 
-from . import accel, codec, paths
+from dflash.cache.client import CacheClient
+from dflash.cache.positions import PositionStore, Unavailable
+
+from . import accel, caching, codec, paths
 from . import protocol as P
 from .compute import Compute
 from .config import DaemonConfig, load_config
@@ -53,6 +56,10 @@ class Worker:
         self.started = time.time()
         self.counters = {"frames": 0, "bad_frames": 0, "dropped_replies": 0, "clients_gone": 0, "recovered": 0, "failed_on_recovery": 0}
         self._wake_local = threading.local()
+        # The socket thread's own link to the cache process (position lists, remote stats); a
+        # short timeout keeps heartbeats flowing if the cache process hangs.
+        self.cache_client = CacheClient(cfg.resolved_cache_endpoint(), timeout_s=0.5) if cfg.cache else None
+        self.positions = PositionStore(self.cache_client, strict=True) if self.cache_client else None
 
     # ------------------------------------------------------------------ sockets
     def _wake(self) -> None:
@@ -137,6 +144,8 @@ class Worker:
         if not thread.is_alive():
             self.ctx.term()
         self.store.close()
+        if self.cache_client is not None:
+            self.cache_client.close()
         sock = paths.ipc_path(self.endpoint)
         if sock is not None:
             sock.unlink(missing_ok=True)
@@ -225,6 +234,8 @@ class Worker:
             return P.Info(data={"models": [self.compute.models()]})
         if isinstance(req, P.Shutdown):
             return P.Info(data={"shutting_down": True, "pid": os.getpid()})
+        if isinstance(req, P.POSITION_OPS):
+            return P.Info(data=self._position_op(req))
         raise P.ProtocolError(P.UNKNOWN_OP, "unhandled op")
 
     def _submit(self, ident: bytes, req: P.Submit) -> Any:
@@ -243,7 +254,12 @@ class Worker:
             raise P.ProtocolError(P.BUSY, f"queue full ({self.cfg.max_queue} jobs waiting); try again later")
         limit = self.cfg.job_timeout_s if req.timeout_s is None else min(req.timeout_s, self.cfg.job_timeout_s)
         fields = P.to_map(req)
-        request = {k: fields[k] for k in ("text", "messages", "token_ids", "system", "raw", "max_tokens", "stop")}
+        request = {k: fields[k] for k in ("text", "messages", "token_ids", "system", "raw", "max_tokens", "stop",
+                                          "cache", "positions")}
+        if req.positions_name is not None:  # resolved now: the job is durable and self-contained
+            request["positions"] = self._named_positions(req)
+        if req.template_args:  # chat template keyword arguments (gateway: chat_template_kwargs)
+            request["template_args"] = req.template_args
         job = Job(job_id, self.store.next_seq(), request, req.priority, req.stream, 0, limit)
         self.store.save(job)  # durable before the client hears "accepted"
         if req.stream:
@@ -281,6 +297,52 @@ class Worker:
             raise bad("timeout_s must be > 0")
         if req.job_id and not _JOB_ID.match(req.job_id):
             raise bad("job_id must be 1-64 characters of A-Z a-z 0-9 _ . -")
+        self._validate_sparse(req)
+
+    def _validate_sparse(self, req: P.Submit) -> None:
+        if req.cache is not None and req.cache not in P.CACHE_POLICIES:
+            raise P.ProtocolError(P.BAD_REQUEST, f"cache must be one of {', '.join(P.CACHE_POLICIES)}, got {req.cache!r}")
+        if req.positions is not None and req.positions_name is not None:
+            raise P.ProtocolError(P.BAD_REQUEST, "give positions or positions_name, not both")
+        sparse = req.positions is not None or req.positions_name is not None
+        if sparse and req.cache in ("use", "refresh"):
+            raise P.ProtocolError(P.SPARSE_WITH_CACHE, "sparse prefill cannot use the prefix cache (its caches "
+                                  "are position-scattered): leave cache unset or set it to \"bypass\"")
+        if sparse and self.cfg.kv_bits:
+            raise P.ProtocolError(P.BAD_REQUEST, "sparse prefill cannot be combined with kv_bits (worker setting)")
+        if req.positions_name is not None:
+            _check_list_name(req.positions_name)
+        if req.positions is not None:
+            _check_positions(req.positions, self.cfg.max_prompt_tokens,
+                             None if req.token_ids is None else len(req.token_ids))
+
+    def _named_positions(self, req: P.Submit) -> list[int]:
+        values = self._position_op(P.GetPositions(name=req.positions_name))["positions"]
+        _check_positions(values, self.cfg.max_prompt_tokens, None if req.token_ids is None else len(req.token_ids))
+        return values
+
+    def _position_op(self, req: Any) -> dict[str, Any]:
+        """put / get / list / delete a named position list in the cache process."""
+        if self.positions is None:
+            raise P.ProtocolError(P.CACHE_UNAVAILABLE, "the cache is disabled in this daemon (cache = false)")
+        if not isinstance(req, P.ListPositions):
+            _check_list_name(req.name)
+        try:
+            if isinstance(req, P.PutPositions):
+                _check_positions(req.positions, self.cfg.max_prompt_tokens, None)
+                if not self.positions.put(req.name, req.positions):
+                    raise Unavailable("the cache process refused the list")
+                return {"name": req.name, "stored": len(req.positions)}
+            if isinstance(req, P.GetPositions):
+                values = self.positions.get(req.name)
+                if values is None:
+                    raise P.ProtocolError(P.NOT_FOUND, f"no position list named {req.name!r}")
+                return {"name": req.name, "positions": values}
+            if isinstance(req, P.ListPositions):
+                return {"names": self.positions.list()}
+            return {"name": req.name, "deleted": self.positions.delete(req.name)}
+        except Unavailable as e:
+            raise P.ProtocolError(P.CACHE_UNAVAILABLE, f"{e}; position lists need it (it restarts by itself)") from None
 
     def _cancel(self, job_id: str) -> Any:
         job = self.jobs.cancel(job_id, "cancelled")
@@ -306,6 +368,9 @@ class Worker:
 
     def stats(self) -> dict[str, Any]:
         running = self.jobs.running
+        remote = self.cache_client.stats() if self.cache_client is not None else None
+        cache = caching.cache_stats(self.cfg, self.compute.prefix_cache, remote)
+        cache.setdefault("l2_up", False)
         return {
             "pid": os.getpid(),
             "state": "failed" if self.compute.load_error else "ready" if self.compute.pair else "loading",
@@ -318,10 +383,34 @@ class Worker:
             "queued": self.jobs.queued_count(),
             "running": running.job_id if running else None,
             "max_queue": self.cfg.max_queue,
-            "l2_cache": "off (cache process not available yet)",
+            "l2_cache": "up" if cache["l2_up"] else "down" if self.cfg.cache else "off",
             **self.compute.counters,
             **self.counters,
+            "cache": cache,
         }
+
+
+def _check_list_name(name: str) -> None:
+    if not 0 < len(name) <= 200:
+        raise P.ProtocolError(P.BAD_REQUEST, "a position list name is 1..200 characters")
+
+
+def _check_positions(positions: list[int], max_len: int, n_prompt: int | None) -> None:
+    """Sparse positions: non-empty, >= 0, strictly increasing, inside the prompt when it is known."""
+    def bad(msg: str) -> P.ProtocolError:
+        return P.ProtocolError(P.BAD_POSITIONS, msg)
+
+    if not positions:
+        raise bad("positions is empty: select at least one prompt token")
+    if len(positions) > max_len:
+        raise bad(f"{len(positions)} positions exceed max_prompt_tokens={max_len}")
+    if positions[0] < 0:
+        raise bad(f"positions must be >= 0, got {positions[0]}")
+    for i, (a, b) in enumerate(zip(positions, positions[1:])):
+        if b <= a:
+            raise bad(f"positions must be strictly increasing (index {i + 1}: {a} then {b})")
+    if n_prompt is not None and positions[-1] >= n_prompt:
+        raise bad(f"position {positions[-1]} is outside the prompt of {n_prompt} token ids")
 
 
 def _result_state(res: dict) -> str:

@@ -89,5 +89,14 @@ from .train import train_draft_command  # noqa: E402
 main.add_command(import_command)
 main.add_command(train_draft_command)
 
+try:  # the gateway needs pyzmq + the HTTP stack; the engine commands must not
+    from dflash.daemon.gateway import serve_command  # noqa: E402
+except ImportError as e:  # pragma: no cover
+    serve_command = None
+    _SERVE_ERROR = e
+
+if serve_command is not None:
+    main.add_command(serve_command)
+
 if __name__ == "__main__":
     main()

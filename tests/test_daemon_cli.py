@@ -72,8 +72,9 @@ def test_install_renders_valid_plists_that_start_a_worker(tiny_pair, dirs, tmp_p
     assert args[:3] == [sys.executable, "-m", "dflash.daemon.worker"] and args[3] == "--config-json"
     cfg = json.loads(Path(args[4][1:]).read_text())
     assert cfg["model"] == model and cfg["endpoint"].startswith("ipc://")
-    cache_tpl = plistlib.loads((Path(__file__).parents[1] / "launchd" / "com.dflash.cache.plist").read_bytes())
-    assert cache_tpl["ProgramArguments"][2] == "dflash.cache.server"
+    cache = plistlib.loads((tmp_path / "com.dflash.cache.plist").read_bytes())
+    assert cache["ProgramArguments"][:3] == [sys.executable, "-m", "dflash.cache.l2"]
+    assert cache["ProgramArguments"][3:7] == ["--dir", cfg["cache_dir"], "--endpoint", cfg["cache_endpoint"]]
 
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # as launchd would
     try:
@@ -92,9 +93,10 @@ def test_install_renders_valid_plists_that_start_a_worker(tiny_pair, dirs, tmp_p
                                        "--model", model, *flags])
     assert res.exit_code == 0, res.output
     unit = (tmp_path / "dflashd.service").read_text()
-    assert f"ExecStart={sys.executable} -m dflash.daemon.worker --config-json @{d / 'state' / 'daemon.json'}" in unit
+    assert f"ExecStart={sys.executable} -m dflash.daemon.supervisor --config-json @{d / 'state' / 'daemon.json'}" in unit
     assert "Restart=on-failure" in unit and "RestartPreventExitStatus=2 3" in unit 
     assert not re.search(r"@[A-Z_]+@", unit) and not re.search(rb"@[A-Z_]+@", (tmp_path / "com.dflash.worker.plist").read_bytes())
+    assert not re.search(rb"@[A-Z_]+@", (tmp_path / "com.dflash.cache.plist").read_bytes())
     res = CliRunner().invoke(dflashd, ["uninstall", "--kind", "launchd", "--dest", str(tmp_path), "--no-load"])
     assert "removed" in res.output and not (tmp_path / "com.dflash.worker.plist").exists()
 

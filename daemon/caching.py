@@ -1,0 +1,102 @@
+"""The worker's side of the tiered prefix cache: identity of the loaded pair, the PrefixCache
+(L1 in RAM + the cache process as L2), the per-job cache policy, and the stats it reports.
+
+Built on the MLX thread once the pair is loaded; the PrefixCache is then used only there. The
+socket thread has its own CacheClient (position lists, remote stats), so neither thread ever
+waits on the other's cache round trip.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+from typing import Any, Sequence
+
+from dflash.cache.client import CacheClient
+from dflash.cache.tiers import Identity, PrefixCache
+
+from .config import DaemonConfig
+
+log = logging.getLogger("dflash.worker")
+_CONFIG_FILES = ("config.json", "tokenizer_config.json", "generation_config.json", "tokenizer.json")
+
+
+def dir_fingerprint(path: str | Path) -> str:
+    """A content hash of a model directory's config files, plus its weight files' names and sizes."""
+    p = Path(path)
+    h = hashlib.blake2b(digest_size=16)
+    for name in _CONFIG_FILES:
+        f = p / name
+        if f.is_file():
+            h.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
+    for f in sorted(p.glob("*.safetensors")):  # a full weights hash would cost seconds per GB
+        h.update(f"{f.name}:{f.stat().st_size}\0".encode())
+    return h.hexdigest()
+
+
+def pair_identity(pair: Any, dtype: str | None) -> Identity:
+    """Everything besides the prompt's token ids that decides a snapshot of this pair."""
+    template = getattr(pair.tokenizer, "chat_template", None) or ""
+    if not isinstance(template, str):
+        template = repr(template)
+    return Identity(
+        target=f"{Path(pair.model_path).resolve()}|{dtype or 'native'}|{dir_fingerprint(pair.model_path)}",
+        draft=f"{Path(pair.draft_path).resolve()}|{dtype or 'native'}|{dir_fingerprint(pair.draft_path)}",
+        layer_ids=tuple(int(i) for i in pair.drafter.layer_ids),
+        template=hashlib.sha256(template.encode()).hexdigest(),
+    )
+
+
+def build_prefix_cache(cfg: DaemonConfig, pair: Any) -> PrefixCache:
+    """L1 within the configured budgets, write-through to the cache process."""
+    from dflash.engine.prefix import Snapshot
+
+    ident = pair_identity(pair, cfg.dtype)
+    client = CacheClient(cfg.resolved_cache_endpoint())
+    return PrefixCache(ident, Snapshot.decode, client, l1_max_bytes=int(cfg.l1_cache_gb * (1 << 30)),
+                       l1_max_entries=cfg.l1_cache_entries, every=cfg.cache_every)
+
+
+class RefreshView:
+    """A PrefixCache seen by a "refresh" job: never restores, stores this prompt's snapshots."""
+
+    def __init__(self, cache: PrefixCache):
+        self.cache = cache
+
+    def boundaries(self, n_prompt: int) -> list[int]:
+        return self.cache.boundaries(n_prompt)
+
+    def lookup(self, ids: Sequence[int]) -> None:
+        return None
+
+    def insert(self, ids: Sequence[int], snap: Any) -> None:
+        self.cache.insert(ids, snap)
+
+
+def for_policy(cache: PrefixCache | None, policy: str) -> Any:
+    """What the engine gets as prefix_cache= for a job's policy (use, bypass, refresh)."""
+    if cache is None or policy == "bypass":
+        return None
+    return RefreshView(cache) if policy == "refresh" else cache
+
+
+def cache_stats(cfg: DaemonConfig, cache: PrefixCache | None, remote: dict | None) -> dict[str, Any]:
+    """The `cache` map of the worker's stats: hits, hit tokens, bytes per tier, evictions, L2 up."""
+    if not cfg.cache:
+        return {"enabled": False}
+    out: dict[str, Any] = {"enabled": True, "endpoint": cfg.resolved_cache_endpoint(), "l2_up": remote is not None}
+    local = cache.stats(remote=False) if cache is not None else None
+    if local is not None:
+        out.update({k: local[k] for k in ("lookups", "misses", "inserts", "l2_writes", "l2_dropped_writes",
+                                           "corrupt_dropped")})
+        out["l1"], out["l2"] = dict(local["l1"]), dict(local["l2"])
+        out["hits"] = local["l1"]["hits"] + local["l2"]["hits"]
+        out["hit_tokens"] = local["l1"]["hit_tokens"] + local["l2"]["hit_tokens"]
+    if remote is not None:
+        l2 = out.setdefault("l2", {})
+        l2.update(bytes=remote.get("bytes", 0), entries=remote.get("entries", 0),
+                  evictions=remote.get("evictions", 0))
+        out["position_lists"] = remote.get("position_lists", 0)
+        out["l2_process"] = remote
+    return out

@@ -1,0 +1,323 @@
+"""`dflash serve`: an OpenAI-compatible HTTP gateway, one more client of dflashd.
+
+HTTP outside (aiohttp), the daemon's protocol inside (AsyncDFlashClient): HTTP users share the
+worker's queue and caches with every other client. Request parsing and response shapes live in
+openai_schema.py, counters in gateway_metrics.py; docs/gateway.md describes the API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import click
+from aiohttp import web
+
+from dflash.client import errors as E
+from dflash.client.aio import AsyncDFlashClient
+from dflash.client.client import Result
+from dflash.daemon import protocol as P
+
+from . import openai_schema as S
+from .config import DaemonConfig
+from .gateway_metrics import GatewayMetrics
+
+log = logging.getLogger("dflash.gateway")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# Daemon error code -> (HTTP status, OpenAI error type).
+_STATUS = {
+    P.BAD_REQUEST: (400, "invalid_request_error"), P.TOO_LARGE: (400, "invalid_request_error"),
+    P.BAD_FRAME: (400, "invalid_request_error"), P.NOT_FOUND: (404, "not_found_error"),
+    P.BUSY: (429, "rate_limit_error"), P.NOT_READY: (503, "server_error"),
+    P.SHUTTING_DOWN: (503, "server_error"), "unavailable": (503, "server_error"),
+    "worker_gone": (503, "server_error"),
+}
+
+
+def api_error_from(e: E.DFlashError) -> S.ApiError:
+    status, kind = _STATUS.get(e.code, (500, "server_error"))
+    return S.ApiError(status, e.message, kind, None, e.code)
+
+
+def json_error(err: S.ApiError) -> web.Response:
+    headers = {"Retry-After": "1"} if err.status == 429 else None
+    return web.json_response(err.body(), status=err.status, headers=headers)
+
+
+class Gateway:
+    """The aiohttp application and the state it shares across requests."""
+
+    def __init__(self, endpoint: str, cfg: DaemonConfig, *, api_key: str | None = None,
+                 max_body_bytes: int = 1 << 20, default_max_tokens: int = 512,
+                 sampling: str = "greedy", model_name: str | None = None):
+        self.client = AsyncDFlashClient(endpoint, config=cfg, timeout=30.0)
+        self.control = AsyncDFlashClient(endpoint, config=cfg, timeout=2.0, retry_interval=1.0)
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.default_max_tokens = default_max_tokens
+        self.sampling = sampling  # "greedy": answer greedily and say so; "reject": 400
+        self.model_name = model_name
+        self.metrics = GatewayMetrics()
+        self._models: tuple[float, list[dict]] | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors, self._auth])
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._list_models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _close(self, _app: web.Application) -> None:
+        self.client.close()
+        self.control.close()
+
+    # ------------------------------------------------------------------ middlewares
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every failure in OpenAI's error shape; counts each answer for /metrics."""
+        route = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
+        try:
+            resp = await handler(request)
+        except S.ApiError as e:
+            resp = json_error(e)
+        except E.DFlashError as e:
+            resp = json_error(api_error_from(e))
+        except web.HTTPRequestEntityTooLarge:
+            resp = json_error(S.ApiError(413, f"request body exceeds {self.max_body_bytes} bytes", code="body_too_large"))
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+            resp = json_error(S.ApiError(e.status, f"{e.reason}: {request.method} {request.path}", kind))
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.metrics.request(route, 499)  # the client went away
+            raise
+        except Exception as e:  # a bug here: answer 500, keep serving
+            log.exception("gateway error on %s", request.path)
+            resp = json_error(S.ApiError(500, f"internal gateway error: {type(e).__name__}", "server_error", code="internal"))
+        self.metrics.request(route, resp.status)
+        return resp
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self.api_key and request.path != "/health":
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+                raise S.ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                                 "invalid_request_error", None, "invalid_api_key")
+        return await handler(request)
+
+    # ------------------------------------------------------------------ generation
+    async def _body(self, request: web.Request) -> Any:
+        if request.content_length is not None and request.content_length > self.max_body_bytes:
+            raise web.HTTPRequestEntityTooLarge(max_size=self.max_body_bytes, actual_size=request.content_length)
+        raw = await request.read()
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise S.ApiError(400, f"could not parse the JSON body: {e}", code="invalid_json") from None
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        body = await self._body(request)
+        parse = S.parse_chat if kind == "chat" else S.parse_completion
+        req = parse(body, self.default_max_tokens)
+        model = await self._check_model(req.model)
+        if req.non_greedy and self.sampling == "reject":
+            raise S.bad(f"this server decodes greedily only; {', '.join(req.non_greedy)} must be left at the "
+                        "greedy value (temperature 0)", req.non_greedy[0], "unsupported_sampling")
+        job_id = uuid.uuid4().hex
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + job_id
+        headers = {"x-dflash-job-id": job_id, "x-dflash-sampling": "greedy"}
+        if req.non_greedy:
+            headers["x-dflash-sampling-ignored"] = ",".join(req.non_greedy)
+        kw: dict[str, Any] = dict(job_id=job_id, raw=req.raw, max_tokens=req.max_tokens, stop=req.stop)
+        if req.template_args:
+            kw["template_args"] = req.template_args
+        events = self.client.stream(req.prompt, **kw)
+        async with contextlib.aclosing(events):  # leaving early (disconnect, error) cancels the job
+            first = await anext(events)  # daemon errors up to here still get a proper status
+            ctx = (kind, rid, int(time.time()), model)
+            if req.stream:
+                return await self._sse(request, req, ctx, first, events, headers, job_id)
+            text: list[str] = []
+            ev = first
+            while not isinstance(ev, Result):
+                text.append(ev.text)
+                ev = await anext(events)
+            self.metrics.job(ev.stats, ev.finish_reason)
+            return web.json_response(S.response(*ctx, ev.text, ev.finish_reason, ev.stats, job_id), headers=headers)
+
+    async def _sse(self, request: web.Request, req: S.GenRequest, ctx: tuple, first: Any, events: Any,
+                   headers: dict, job_id: str) -> web.StreamResponse:
+        """Server-sent events: chunks as deltas arrive, the finish, usage if asked, then [DONE]."""
+        resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+
+        async def send(obj: Any) -> None:
+            data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+            await resp.write(f"data: {data}\n\n".encode())
+
+        try:
+            if ctx[0] == "chat":
+                await send(S.chunk(*ctx, role=True))
+            ev = first
+            while not isinstance(ev, Result):
+                if ev.text:
+                    await send(S.chunk(*ctx, text=ev.text))
+                ev = await anext(events)
+            self.metrics.job(ev.stats, ev.finish_reason)
+            await send(S.chunk(*ctx, reason=ev.finish_reason or "stop"))
+            if req.include_usage:
+                await send(S.usage_chunk(*ctx, ev.stats, job_id))
+            await send("[DONE]")
+        except E.DFlashError as e:  # headers are gone: the error travels as an event
+            await send(api_error_from(e).body())
+            await send("[DONE]")
+        except ConnectionResetError:  # the client left: leaving here cancels the job
+            return resp
+        await resp.write_eof()
+        return resp
+
+    # ------------------------------------------------------------------ models, health, metrics
+    async def _model_rows(self) -> list[dict]:
+        now = time.monotonic()
+        if self._models is None or now - self._models[0] > 5.0:
+            self._models = (now, await self.control.models())
+        return self._models[1]
+
+    def _model_id(self, row: dict) -> str:
+        return self.model_name or Path(str(row.get("model") or "dflash")).name
+
+    async def _check_model(self, name: str | None) -> str:
+        """The model id to answer with; 404 for a model this daemon does not serve."""
+        rows = await self._model_rows()
+        ids = [self._model_id(r) for r in rows]
+        if name is None or name in ids or any(name == str(r.get("model")) for r in rows):
+            return ids[0] if ids else (name or "dflash")
+        raise S.ApiError(404, f"The model '{name}' does not exist; this server serves {', '.join(ids)}",
+                         "invalid_request_error", "model", "model_not_found")
+
+    async def _list_models(self, _request: web.Request) -> web.Response:
+        rows = await self._model_rows()
+        data = [{"id": self._model_id(r), "object": "model", "created": int(self.metrics.started), "owned_by": "dflash",
+                 "dflash": {k: r.get(k) for k in ("loaded", "model", "draft", "block_size", "dtype")}} for r in rows]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _daemon_stats(self) -> dict | None:
+        try:
+            return await self.control.stats()
+        except E.DFlashError:
+            return None
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        st = await self._daemon_stats()
+        state = st["state"] if st else "unavailable"
+        body = {"status": "ok" if state == "ready" else "unavailable", "worker": state,
+                "queued": st.get("queued") if st else None}
+        return web.json_response(body, status=200 if state == "ready" else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        st = await self._daemon_stats()
+        if request.query.get("format") == "json":
+            return web.json_response(self.metrics.as_json(st))
+        return web.Response(text=self.metrics.prometheus(st), content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type-Options": "nosniff"})
+
+
+# ----------------------------------------------------------------------------- running it
+
+
+async def run_gateway(gw: Gateway, host: str, port: int, on_ready: Callable[[str], None]) -> None:
+    """Serve until SIGINT/SIGTERM. A client that disconnects cancels its handler (and so its job)."""
+    runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    addr = runner.addresses[0]
+    on_ready(f"http://{addr[0] if ':' not in addr[0] else f'[{addr[0]}]'}:{addr[1]}")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _daemon_options(f: Any) -> Any:
+    from .cli import _config_options
+
+    return _config_options(f)
+
+
+@click.command("serve")
+@_daemon_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (non-loopback needs --api-key).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0 picks a free port.")
+@click.option("--api-key", envvar="DFLASH_API_KEY", default=None, help="Require 'Authorization: Bearer KEY' (env DFLASH_API_KEY).")
+@click.option("--served-model-name", default=None, help="Model id in /v1/models (default: the model directory's name).")
+@click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(1024), help="Request body cap.")
+@click.option("--default-max-tokens", default=512, show_default=True, type=click.IntRange(1), help="When a request sets none.")
+@click.option("--sampling", type=click.Choice(["greedy", "reject"]), default="greedy", show_default=True,
+              help="Requests asking for sampling (temperature > 0 ...): answer greedily with a header, or 400.")
+@click.option("--attach", is_flag=True, help="Only attach to a running daemon; never start one.")
+@click.option("--stop-daemon", is_flag=True, help="Stop the daemon on exit if this command started it.")
+@click.option("--wait", "wait_s", default=120.0, show_default=True, help="Seconds to wait for a started daemon's model.")
+@click.pass_context
+def serve_command(ctx, config_path, host, port, api_key, served_model_name, max_body_bytes, default_max_tokens,
+                  sampling, attach, stop_daemon, wait_s, **flags):
+    """OpenAI-compatible HTTP API over dflashd (starts the daemon, or attaches to a running one)."""
+    from . import cli as dcli
+
+    if not _is_loopback(host) and not api_key:
+        raise click.ClickException(f"binding {host} (not loopback) needs --api-key (or DFLASH_API_KEY)")
+    cfg = dcli._resolve(config_path, **flags)
+    started = False
+    if dcli._stats(cfg, 1.0) is None:
+        if attach:
+            raise click.ClickException(f"no dflashd answers at {cfg.resolved_endpoint()} (--attach given)")
+        ctx.invoke(dcli.start, config_path=config_path, foreground=False, wait_s=wait_s, **flags)
+        started = True
+    logging.basicConfig(level=os.environ.get("DFLASH_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(message)s")
+    gw = Gateway(cfg.resolved_endpoint(), cfg, api_key=api_key, max_body_bytes=max_body_bytes,
+                 default_max_tokens=default_max_tokens, sampling=sampling, model_name=served_model_name)
+
+    def ready(url: str) -> None:
+        click.echo(f"dflash serve: listening on {url} (daemon at {cfg.resolved_endpoint()})", err=False)
+
+    try:
+        asyncio.run(run_gateway(gw, host, port, ready))
+    finally:
+        if started and stop_daemon:
+            ctx.invoke(dcli.stop, config_path=config_path, timeout=30.0, **flags)

@@ -1,0 +1,282 @@
+"""OpenAI-compatible request parsing and response shapes for the HTTP gateway (no HTTP here).
+
+`parse_chat` / `parse_completion` turn a decoded JSON body into a `GenRequest` (what the daemon's
+submit needs) or raise `ApiError`, which the gateway answers in OpenAI's error shape. The builders
+below make the response objects and stream chunks from the daemon's deltas and results.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+# Fields that ask for something other than greedy decoding when they have these values. The
+# engine is greedy-only: such a request is answered greedily and says so (or refused, by policy).
+_NON_GREEDY: dict[str, Callable[[float], bool]] = {
+    "temperature": lambda v: v > 0,
+    "top_p": lambda v: v < 1,
+    "top_k": lambda v: v > 1,  # 0 and -1 mean "off"; 1 is greedy
+    "min_p": lambda v: v > 0,
+    "presence_penalty": lambda v: v != 0,
+    "frequency_penalty": lambda v: v != 0,
+    "repetition_penalty": lambda v: v != 1,
+}
+# Accepted and ignored: they do not change a greedy answer (seed), or only label the request.
+_IGNORED = {"user", "seed", "metadata", "store", "service_tier", "parallel_tool_calls", "tool_choice",
+            "top_logprobs", "logit_bias", "logprobs", "n", "tools", "response_format", "echo", "best_of",
+            "suffix", "functions", "function_call"}
+_COMMON = {"model", "stream", "stream_options", "stop", "max_tokens"} | set(_NON_GREEDY) | _IGNORED
+_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"}
+_COMPLETION_FIELDS = _COMMON | {"prompt"}
+# Keyword arguments of apply_chat_template that a request must not override.
+_RESERVED_TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "chat_template",
+                           "return_dict", "return_tensors", "tools", "documents", "continue_final_message",
+                           "padding", "truncation", "max_length", "return_assistant_tokens_mask",
+                           "tokenizer_kwargs"}
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+MAX_STOP = 16  # the daemon's own cap
+
+
+class ApiError(Exception):
+    """An error answered as {"error": {message, type, param, code}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param, code)
+
+
+@dataclass
+class GenRequest:
+    """One generation as the gateway will submit it to the daemon."""
+
+    kind: str  # "chat" or "completion"
+    prompt: Any  # text, chat messages, or token ids
+    raw: bool  # text without the chat template (completions)
+    max_tokens: int
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    model: str | None = None
+    template_args: dict | None = None
+    non_greedy: list[str] = field(default_factory=list)  # sampling fields answered greedily
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def parse_chat(body: Any, default_max_tokens: int) -> GenRequest:
+    """A GenRequest from a /v1/chat/completions body."""
+    _check_fields(body, _CHAT_FIELDS)
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("'messages' must be a non-empty list", "messages", "missing_required_parameter" if msgs is None else "invalid_type")
+    req = _common(body, "chat", [_message(m, i) for i, m in enumerate(msgs)], raw=False)
+    mt = body.get("max_completion_tokens")
+    if mt is not None:
+        req.max_tokens = _positive_int(mt, "max_completion_tokens")
+    elif body.get("max_tokens") is None:
+        req.max_tokens = default_max_tokens
+    req.template_args = _template_args(body.get("chat_template_kwargs"))
+    return req
+
+
+def parse_completion(body: Any, default_max_tokens: int) -> GenRequest:
+    """A GenRequest from a /v1/completions body (the prompt is not templated)."""
+    _check_fields(body, _COMPLETION_FIELDS)
+    for name, ok in (("echo", lambda v: not v), ("suffix", lambda v: v is None), ("best_of", lambda v: v in (None, 1))):
+        if not ok(body.get(name)):
+            raise bad(f"'{name}' is not supported by this server", name, "unsupported_parameter")
+    req = _common(body, "completion", _completion_prompt(body.get("prompt")), raw=True)
+    if body.get("max_tokens") is None:
+        req.max_tokens = default_max_tokens
+    return req
+
+
+def _check_fields(body: Any, known: set[str]) -> None:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object", None, "invalid_type")
+    extra = sorted(k for k in body if k not in known)
+    if extra:
+        raise bad(f"Unrecognized request argument supplied: {', '.join(extra)}", extra[0], "unknown_parameter")
+
+
+def _common(body: dict, kind: str, prompt: Any, raw: bool) -> GenRequest:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("'model' must be a string", "model", "invalid_type")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad("'stream' must be a boolean", "stream", "invalid_type")
+    opts = body.get("stream_options")
+    if opts is not None and not (isinstance(opts, dict) and isinstance(opts.get("include_usage", False), bool)):
+        raise bad("'stream_options' must be an object with a boolean 'include_usage'", "stream_options", "invalid_type")
+    if opts is not None and not stream:
+        raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    req = GenRequest(kind, prompt, raw, 0, _stop(body.get("stop")), bool(stream),
+                     bool((opts or {}).get("include_usage")), model)
+    if body.get("max_tokens") is not None:
+        req.max_tokens = _positive_int(body["max_tokens"], "max_tokens")
+    _check_unsupported(body)
+    req.non_greedy = _non_greedy(body)
+    return req
+
+
+def _check_unsupported(body: dict) -> None:
+    """Fields we accept only at values that need nothing the engine lacks."""
+    if body.get("n") not in (None, 1):
+        raise bad("only n=1 is supported (decoding is greedy: every choice would be the same)", "n", "unsupported_parameter")
+    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
+        raise bad("logprobs are not supported by this server", "logprobs", "unsupported_parameter")
+    if body.get("tools") or body.get("functions") or body.get("function_call") not in (None, "none"):
+        raise bad("tools and function calling are not supported by this server", "tools", "unsupported_parameter")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise bad("tool_choice is not supported by this server", "tool_choice", "unsupported_parameter")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise bad("only response_format {\"type\": \"text\"} is supported", "response_format", "unsupported_parameter")
+
+
+def _non_greedy(body: dict) -> list[str]:
+    """Names of the sampling fields whose values ask for something other than greedy decoding."""
+    out = []
+    for name, differs in _NON_GREEDY.items():
+        v = body.get(name)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise bad(f"'{name}' must be a number", name, "invalid_type")
+        if differs(v):
+            out.append(name)
+    lb = body.get("logit_bias")
+    if lb is not None and not isinstance(lb, dict):
+        raise bad("'logit_bias' must be an object", "logit_bias", "invalid_type")
+    if lb and any(v != 0 for v in lb.values()):
+        out.append("logit_bias")
+    return out
+
+
+def _positive_int(v: Any, name: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise bad(f"'{name}' must be an integer >= 1", name)
+    return v
+
+
+def _stop(v: Any) -> list[str]:
+    stops = [v] if isinstance(v, str) else v if v is not None else []
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
+    stops = [s for s in stops if s]
+    if len(stops) > MAX_STOP or any(len(s) > 256 for s in stops):
+        raise bad(f"at most {MAX_STOP} stop sequences of at most 256 characters", "stop")
+    return stops
+
+
+def _message(m: Any, i: int) -> dict[str, str]:
+    """One chat message as {role, content} text; content parts must all be text."""
+    param = f"messages[{i}]"
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise bad(f"{param} must be an object with a string 'role'", param, "invalid_type")
+    role, content = m["role"], m.get("content")
+    if role in ("tool", "function") or m.get("tool_calls") or m.get("function_call"):
+        raise bad(f"{param}: tool messages and tool calls are not supported by this server", param, "unsupported_parameter")
+    if role not in ("system", "developer", "user", "assistant"):
+        raise bad(f"{param}: unknown role {role!r}", f"{param}.role")
+    if content is None and role == "assistant":
+        content = ""
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise bad(f"{param}.content: only text parts are supported", f"{param}.content", "unsupported_parameter")
+        content = "\n".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise bad(f"{param}.content must be a string or a list of text parts", f"{param}.content", "invalid_type")
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def _completion_prompt(p: Any) -> str | list[int]:
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # a batch of one
+    if isinstance(p, str):
+        if not p.strip():
+            raise bad("'prompt' must not be empty", "prompt")
+        return p
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return p
+    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
+        raise bad("batched prompts are not supported: send one prompt per request", "prompt", "unsupported_parameter")
+    raise bad("'prompt' must be a non-empty string or a list of token ids", "prompt",
+              "missing_required_parameter" if p is None else "invalid_type")
+
+
+def _template_args(v: Any) -> dict | None:
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise bad("'chat_template_kwargs' must be an object", "chat_template_kwargs", "invalid_type")
+    for k in v:
+        if not _IDENT.match(k) or k in _RESERVED_TEMPLATE_ARGS:
+            raise bad(f"chat_template_kwargs: {k!r} cannot be set", "chat_template_kwargs")
+    return dict(v) or None
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+def finish_reason(reason: str) -> str:
+    """The daemon's finish reason in OpenAI's words (cancelled and timeout pass through)."""
+    return reason if reason in ("stop", "length", "cancelled", "timeout") else "stop"
+
+
+def usage(stats: dict) -> dict[str, Any]:
+    prompt, gen = int(stats.get("prompt_tokens", 0)), int(stats.get("generated_tokens", 0))
+    return {"prompt_tokens": prompt, "completion_tokens": gen, "total_tokens": prompt + gen,
+            "prompt_tokens_details": {"cached_tokens": int(stats.get("cached_prompt_tokens", 0))}}
+
+
+def engine_facts(job_id: str, stats: dict) -> dict[str, Any]:
+    """The `dflash` extension field: the job and the engine's speculative-decoding numbers."""
+    keys = ("acceptance", "tokens_per_cycle", "cycles", "accepted_drafts", "ttft_s", "prefill_tps", "decode_tps")
+    return {"job_id": job_id, "sampling": "greedy", **{k: stats.get(k) for k in keys}}
+
+
+def response(kind: str, rid: str, created: int, model: str, text: str, reason: str, stats: dict, job_id: str) -> dict:
+    """A whole (non-streamed) chat.completion or text_completion object."""
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason(reason)}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}
+    obj = "chat.completion" if kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
+            "choices": [choice], "usage": usage(stats), "dflash": engine_facts(job_id, stats)}
+
+
+def chunk(kind: str, rid: str, created: int, model: str, text: str | None = None,
+          reason: str | None = None, role: bool = False) -> dict:
+    """One streamed chunk: a text piece, the opening role (chat), or the finish reason."""
+    fr = finish_reason(reason) if reason else None
+    if kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+        if text:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": fr}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": fr}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None, "choices": [choice]}
+
+
+def usage_chunk(kind: str, rid: str, created: int, model: str, stats: dict, job_id: str) -> dict:
+    """The last chunk when stream_options.include_usage is set: no choices, the usage."""
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
+            "choices": [], "usage": usage(stats), "dflash": engine_facts(job_id, stats)}

@@ -1,0 +1,384 @@
+"""`dflash serve`, the OpenAI-compatible gateway: a real daemon, real gateway processes, real
+sockets on 127.0.0.1, tiny real models; driven by the official `openai` package and raw HTTP."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import select
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+from click.testing import CliRunner
+from daemon_fixtures import _REF_PAIR, ROOT, Daemon, reference, tiny_pair  # noqa: F401
+
+from dflash.engine import tiny
+
+KEY = "sk-test-gateway"
+MSGS = [{"role": "user", "content": "Tell me about the sea."}]
+# The tiny template, plus a switch a real model's template has (Qwen3's enable_thinking).
+THINK_TEMPLATE = tiny.CHAT_TEMPLATE + (
+    "{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_pair, tmp_path_factory) -> tuple[str, str]:  # noqa: F811
+    """A copy of the tiny pair whose chat template honours enable_thinking."""
+    d = tmp_path_factory.mktemp("gwpair") / "tiny-chat"
+    shutil.copytree(tiny_pair[0], d)
+    cfg_path = d / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = THINK_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg))
+    return str(d), str(d / "draft")
+
+
+@pytest.fixture(scope="module")
+def daemon(pair):
+    d = Daemon(*pair)
+    try:
+        yield d.start()
+    finally:
+        d.stop()
+
+
+class Gateway:
+    """A `dflash serve --attach` process; `url` once it prints that it listens."""
+
+    def __init__(self, daemon: Daemon, *args: str):
+        cmd = [sys.executable, "-m", "dflash.engine.cli", "serve", "--attach", "--port", "0",
+               "--endpoint", daemon.endpoint, "--runtime-dir", daemon.cfg.runtime_dir,
+               "--state-dir", daemon.cfg.state_dir, *args]
+        self.err = open(daemon.dir / f"gateway-{time.monotonic_ns()}.log", "wb")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.err, cwd=ROOT)
+        end, line = time.monotonic() + 30, b""
+        while time.monotonic() < end and b"listening on" not in line:
+            assert self.proc.poll() is None, f"gateway exited {self.proc.returncode}"
+            if select.select([self.proc.stdout], [], [], 0.5)[0]:
+                line = self.proc.stdout.readline()
+        assert b"listening on" in line, "gateway did not start in 30s"
+        self.url = line.split(b"listening on ")[1].split()[0].decode()
+        self.port = int(self.url.rsplit(":", 1)[1])
+
+    def openai(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+    def http(self, method: str, path: str, body=None, headers: dict | None = None,
+             key: str | None = KEY) -> tuple[int, dict, bytes]:
+        """One raw HTTP request: status, lower-cased headers, body."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        h = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
+        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+        try:
+            conn.request(method, path, body=data, headers=h)
+            r = conn.getresponse()
+            return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        self.err.close()
+
+
+@pytest.fixture(scope="module")
+def gw(daemon):
+    g = Gateway(daemon, "--api-key", KEY, "--max-body-bytes", "65536", "--default-max-tokens", "16")
+    try:
+        yield g
+    finally:
+        g.stop()
+
+
+@pytest.fixture(scope="module")
+def tok(pair):
+    from dflash.engine.loading import load_pair
+
+    if pair not in _REF_PAIR:
+        _REF_PAIR[pair] = load_pair(*pair)
+    return _REF_PAIR[pair].tokenizer
+
+
+def _error(status: int, body: bytes) -> dict:
+    """The OpenAI error object, checked for its exact shape."""
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    return err
+
+
+# ----------------------------------------------------------------------------- openai client
+
+
+def test_chat_non_stream_is_lossless_with_usage(gw, pair, tok):
+    from dflash.engine.prompting import build_prompt
+
+    raw = gw.openai().chat.completions.with_raw_response.create(model="tiny-chat", messages=MSGS, max_tokens=16)
+    r = raw.parse()
+    text, ids = reference(pair, MSGS, 16)
+    assert r.object == "chat.completion" and r.model == "tiny-chat" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == text
+    assert r.choices[0].finish_reason in ("stop", "length")
+    prompt_len = len(build_prompt(tok, MSGS))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt_len, len(ids))
+    assert r.usage.total_tokens == prompt_len + len(ids)
+    assert isinstance(r.usage.prompt_tokens_details.cached_tokens, int)
+    assert raw.headers["x-dflash-sampling"] == "greedy" and "x-dflash-sampling-ignored" not in raw.headers
+    assert r.id == "chatcmpl-" + raw.headers["x-dflash-job-id"]
+
+
+def test_chat_stream_with_usage(gw):
+    c = gw.openai()
+    whole = c.chat.completions.create(model="tiny-chat", messages=MSGS, max_completion_tokens=12)
+    chunks = list(c.chat.completions.create(model="tiny-chat", messages=MSGS, max_completion_tokens=12,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == whole.choices[0].message.content
+    finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finals == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+    assert all(ch.usage is None for ch in chunks[:-1]) and len({ch.id for ch in chunks}) == 1
+    plain = list(c.chat.completions.create(model="tiny-chat", messages=MSGS, max_tokens=4, stream=True))
+    assert all(ch.usage is None for ch in plain)  # usage only when asked for
+
+
+def test_completions_raw_prompt_text_and_ids(gw, pair, tok):
+    c = gw.openai()
+    prompt = "Once upon a time there was a"
+    ids = list(tok.encode(prompt))
+    text, out_ids = reference(pair, ids, 10)  # /v1/completions: no chat template
+    by_text = c.completions.create(model="tiny-chat", prompt=prompt, max_tokens=10)
+    by_ids = c.completions.create(model="tiny-chat", prompt=ids, max_tokens=10)
+    for r in (by_text, by_ids):
+        assert r.object == "text_completion" and r.choices[0].text == text
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(out_ids))
+    chunks = list(c.completions.create(model="tiny-chat", prompt=prompt, max_tokens=10, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == text
+    assert chunks[-1].usage.completion_tokens == len(out_ids)
+
+
+def test_stop_default_max_tokens_and_raw_sse(gw, pair):
+    text, _ = reference(pair, MSGS, 16)
+    stop = text[3:6]
+    want, _ = reference(pair, MSGS, 16, stop=[stop])
+    r = gw.openai().chat.completions.create(model="tiny-chat", messages=MSGS, max_tokens=16, stop=stop)
+    assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop" and stop not in want
+    d = gw.openai().chat.completions.create(model="tiny-chat", messages=MSGS)  # --default-max-tokens 16
+    assert d.usage.completion_tokens == 16 and d.choices[0].message.content == text
+    status, headers, body = gw.http("POST", "/v1/completions", {"prompt": "Tell me", "max_tokens": 3, "stream": True})
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = [e for e in body.decode().split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+
+
+def test_chat_template_kwargs_reach_the_template(gw, tok):
+    from dflash.engine.prompting import build_prompt
+
+    c = gw.openai()
+    plain = c.chat.completions.create(model="tiny-chat", messages=MSGS, max_tokens=2)
+    # mlx-lm passes enable_thinking=False when a tokenizer has no think tokens (this one), so
+    # the template's empty think block is there by default, and True (sent through) removes it.
+    on = c.chat.completions.create(model="tiny-chat", messages=MSGS, max_tokens=2,
+                                   extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    want = len(build_prompt(tok, MSGS, template_args={"enable_thinking": True}))
+    assert on.usage.prompt_tokens == want < plain.usage.prompt_tokens == len(build_prompt(tok, MSGS))
+    status, _, body = gw.http("POST", "/v1/chat/completions",
+                              {"messages": MSGS, "chat_template_kwargs": {"tokenize": False}})
+    assert status == 400 and _error(status, body)["param"] == "chat_template_kwargs"
+
+
+def test_sampling_fields_answered_greedily_or_refused(gw, daemon):
+    c = gw.openai()
+    greedy = c.chat.completions.create(model="tiny-chat", messages=MSGS, max_tokens=8)
+    raw = c.chat.completions.with_raw_response.create(model="tiny-chat", messages=MSGS, max_tokens=8,
+                                                      temperature=0.9, top_p=0.5, seed=7)
+    assert raw.headers["x-dflash-sampling"] == "greedy"
+    assert raw.headers["x-dflash-sampling-ignored"] == "temperature,top_p"
+    assert raw.parse().choices[0].message.content == greedy.choices[0].message.content
+    strict = Gateway(daemon, "--sampling", "reject")
+    try:
+        s = strict.openai(key="unused")  # no --api-key: no auth
+        with pytest.raises(openai.BadRequestError) as e:
+            s.chat.completions.create(model="tiny-chat", messages=MSGS, max_tokens=4, temperature=0.7)
+        assert e.value.status_code == 400 and e.value.body["param"] == "temperature"
+        assert e.value.body["code"] == "unsupported_sampling" and "greedily" in e.value.body["message"]
+        ok = s.chat.completions.create(model="tiny-chat", messages=MSGS, max_tokens=8, temperature=0)
+        assert ok.choices[0].message.content == greedy.choices[0].message.content
+    finally:
+        strict.stop()
+
+
+def test_models_health_metrics(gw):
+    models = gw.openai().models.list()
+    assert [m.id for m in models.data] == ["tiny-chat"] and models.data[0].owned_by == "dflash"
+    status, _, body = gw.http("GET", "/health", key=None)  # health needs no key
+    assert status == 200 and json.loads(body)["worker"] == "ready"
+    gw.openai().chat.completions.create(model="tiny-chat", messages=MSGS, max_tokens=4)
+    status, headers, body = gw.http("GET", "/metrics")
+    text = body.decode()
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    for name in ("dflash_gateway_acceptance_ratio", "dflash_gateway_decode_tokens_per_second",
+                 "dflash_gateway_tokens_per_cycle", "dflash_daemon_jobs_done", "dflash_daemon_up 1"):
+        assert name in text, name
+    assert 'dflash_http_requests_total{route="/v1/chat/completions",status="200"}' in text
+    status, _, body = gw.http("GET", "/metrics?format=json")
+    m = json.loads(body)
+    assert m["gateway"]["jobs"] >= 1 and m["gateway"]["completion_tokens"] >= 4
+    assert m["gateway"]["decode_tokens_per_second"] > 0 and 0 <= m["gateway"]["acceptance"] <= 1
+    assert m["daemon"]["state"] == "ready"
+
+
+# ----------------------------------------------------------------------------- raw HTTP errors
+
+
+def test_errors_in_openai_shape(gw):
+    cases = [
+        ("POST", "/v1/chat/completions", b"{not json", 400, "invalid_json", None),
+        ("POST", "/v1/chat/completions", [1, 2], 400, "invalid_type", None),
+        ("POST", "/v1/chat/completions", {"model": "tiny-chat"}, 400, "missing_required_parameter", "messages"),
+        ("POST", "/v1/chat/completions", {"messages": MSGS, "frobnicate": 1}, 400, "unknown_parameter", "frobnicate"),
+        ("POST", "/v1/chat/completions", {"messages": MSGS, "n": 2}, 400, "unsupported_parameter", "n"),
+        ("POST", "/v1/chat/completions", {"messages": MSGS, "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400,
+         "unsupported_parameter", "messages[0]"),
+        ("POST", "/v1/chat/completions", {"model": "gpt-9", "messages": MSGS}, 404, "model_not_found", "model"),
+        ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 10**6}, 400, "bad_request", None),  # the daemon's cap
+        ("POST", "/v1/completions", {"prompt": ["a", "b"]}, 400, "unsupported_parameter", "prompt"),
+        ("POST", "/v1/completions", {"prompt": "  "}, 400, "invalid_value", "prompt"),
+        ("GET", "/v1/chat/completions", None, 405, None, None),
+        ("GET", "/v2/nothing", None, 404, None, None),
+    ]
+    for method, path, body, want_status, want_code, want_param in cases:
+        status, headers, raw = gw.http(method, path, body)
+        err = _error(status, raw)
+        assert (status, err["code"], err["param"]) == (want_status, want_code, want_param), (path, body, err)
+        assert headers["content-type"].startswith("application/json")
+
+
+def test_api_key_and_body_cap(gw):
+    for key in (None, "sk-wrong"):
+        status, _, body = gw.http("POST", "/v1/chat/completions", {"messages": MSGS}, key=key)
+        assert status == 401 and _error(status, body)["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        gw.openai(key="sk-wrong").models.list()
+    big = {"messages": [{"role": "user", "content": "x" * 70_000}]}  # over --max-body-bytes 65536
+    status, _, body = gw.http("POST", "/v1/chat/completions", big)
+    assert status == 413 and _error(status, body)["code"] == "body_too_large"
+    # No Content-Length (chunked): the cap holds while reading.
+    conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=30)
+    try:
+        conn.request("POST", "/v1/completions", body=iter([json.dumps(big).encode()]),
+                     headers={"Authorization": f"Bearer {KEY}"})  # an iterator body goes chunked
+        r = conn.getresponse()
+        assert r.status == 413 and _error(r.status, r.read())["code"] == "body_too_large"
+    finally:
+        conn.close()
+    status, _, _ = gw.http("GET", "/health", key=None)
+    assert status == 200  # the gateway goes on
+
+
+# ----------------------------------------------------------------------------- disconnects, concurrency
+
+
+def _raw_post(port: int, body: dict) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    data = json.dumps(body).encode()
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+
+def _wait_state(daemon: Daemon, job_id: str, state: str, timeout: float = 15.0) -> None:
+    with daemon.client(timeout=5) as c:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if c.status(job_id).state == state:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"job {job_id} is {c.status(job_id).state}, not {state}")
+
+
+def test_disconnect_mid_stream_cancels_the_job(gw, daemon):
+    with daemon.client(timeout=5) as c:
+        before = c.stats()["jobs_cancelled"]
+    s = _raw_post(gw.port, {"messages": MSGS, "max_tokens": 4000, "stream": True})
+    buf = b""
+    end = time.monotonic() + 20
+    while b"\r\n\r\n" not in buf or buf.count(b"data: ") < 3:  # headers and a few chunks
+        assert time.monotonic() < end, buf
+        buf += s.recv(65536)
+    head = buf.split(b"\r\n\r\n")[0].decode().lower()
+    job_id = [ln.split(":", 1)[1].strip() for ln in head.split("\r\n") if ln.startswith("x-dflash-job-id")][0]
+    s.close()  # mid-stream: thousands of tokens still to go
+    _wait_state(daemon, job_id, "cancelled")
+    with daemon.client(timeout=5) as c:
+        res = c.status(job_id).result
+        assert res["finish_reason"] == "cancelled" and len(res["token_ids"]) < 4000
+        assert c.stats()["jobs_cancelled"] > before
+
+
+def test_disconnect_while_waiting_non_stream_cancels_the_job(gw, daemon):
+    s = _raw_post(gw.port, {"messages": MSGS, "max_tokens": 4000})
+    with daemon.client(timeout=5) as c:
+        end = time.monotonic() + 15
+        while not (running := [j for j in c.jobs() if j["state"] == "running"]):
+            assert time.monotonic() < end, "the job never started"
+            time.sleep(0.05)
+    s.close()
+    _wait_state(daemon, running[0]["job_id"], "cancelled")
+
+
+def test_concurrent_http_clients_share_the_queue(gw, daemon):
+    c = gw.openai()
+    reqs = [("chat", f"Question {i}: what is {i} plus {i * 3}?", 10 + i) for i in range(3)] + \
+           [("completion", f"Once upon a time {i}", 12) for i in range(2)]
+
+    def run(r):
+        kind, prompt, n = r
+        if kind == "chat":
+            out = c.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": prompt}], max_tokens=n)
+            return out.choices[0].message.content, out.usage.completion_tokens, out.choices[0].finish_reason
+        out = c.completions.create(model="tiny-chat", prompt=prompt, max_tokens=n)
+        return out.choices[0].text, out.usage.completion_tokens, out.choices[0].finish_reason
+
+    alone = [run(r) for r in reqs]
+    with daemon.client(timeout=5) as dc:
+        done_before = dc.stats()["jobs_done"]
+        other = threading.Thread(target=lambda: dc.generate("Another app shares the worker.", max_tokens=8))
+        other.start()  # a plain DFlashClient app in the same queue
+        with ThreadPoolExecutor(len(reqs)) as pool:
+            together = list(pool.map(run, reqs))
+        other.join(30)
+        assert together == alone
+        assert dc.stats()["jobs_done"] - done_before == len(reqs) + 1
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def test_serve_refuses_what_it_cannot_do(tmp_path):
+    from dflash.engine.cli import main
+
+    run = tmp_path / "run"
+    res = CliRunner().invoke(main, ["serve", "--attach", "--runtime-dir", str(run), "--state-dir", str(tmp_path / "s")])
+    assert res.exit_code != 0 and "no dflashd answers" in res.output
+    res = CliRunner().invoke(main, ["serve", "--host", "0.0.0.0", "--runtime-dir", str(run)])
+    assert res.exit_code != 0 and "needs --api-key" in res.output
+    res = CliRunner().invoke(main, ["serve", "--runtime-dir", str(run), "--state-dir", str(tmp_path / "s")],
+                             env={"DFLASH_MODEL": ""})
+    assert res.exit_code != 0 and "no model configured" in res.output
