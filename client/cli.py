@@ -45,9 +45,10 @@ def main(ctx, endpoint, config_path, timeout):
 @click.option("--positions", "positions_text", default=None,
               help="Sparse prefill: prompt token indices, e.g. '0-63,128-255,300'.")
 @click.option("--positions-name", default=None, help="Sparse prefill with a stored position list.")
+@click.option("--stats", "show_stats", is_flag=True, help="Print the job's stats line on stderr.")
 @click.pass_obj
 def prompt(client: DFlashClient, text, max_tokens, system, stop, priority, raw, as_json, cache, positions_text,
-           positions_name):
+           positions_name, show_stats):
     """Generate from TEXT (stdin when omitted), streaming to stdout. Ctrl-C cancels the job."""
     if text is None:
         text = sys.stdin.read()
@@ -71,6 +72,10 @@ def prompt(client: DFlashClient, text, max_tokens, system, stop, priority, raw, 
                                "finish_reason": res.finish_reason, "stats": res.stats}))
     else:
         click.echo()
+    if show_stats:
+        from dflash.engine.generate import format_stats
+
+        click.echo(format_stats({**res.stats, "finish_reason": res.finish_reason}), err=True)
     if res.finish_reason == "timeout":
         sys.exit(124)
 

@@ -95,15 +95,23 @@ def run_baseline(setup: Setup, ids: list[int], max_tokens: int) -> tuple[list[in
     return out, rec
 
 
+def _window(cfg: BenchConfig) -> str:
+    """The oracle measures the ceiling: always the whole block."""
+    return "full" if cfg.oracle else cfg.verify_window
+
+
 def run_dflash(
-    setup: Setup, drafter: Drafter, ids: list[int], max_tokens: int
+    setup: Setup, drafter: Drafter, ids: list[int], max_tokens: int, window: str = "auto"
 ) -> tuple[list[int], dict]:
     """stream_dflash_generate on the same prompt ids, timed with the baseline's clock."""
     mx.synchronize()
     final: Finished | None = None
     t_first: float | None = None
     t0 = time.perf_counter()
-    for ev in stream_dflash_generate(setup.target, drafter, setup.tokenizer, ids, max_tokens):
+    gen = stream_dflash_generate(
+        setup.target, drafter, setup.tokenizer, ids, max_tokens, verify_window=window
+    )
+    for ev in gen:
         if isinstance(ev, Finished):
             final = ev
         elif t_first is None and ev.token_ids:
@@ -221,7 +229,7 @@ def settle_oracle(
     """
     ref = list(baseline_ids)
     for i in range(max_iters + 1):
-        out, _ = run_dflash(setup, make_drafter(setup, cfg, ref, len(ids)), ids, cfg.max_tokens)
+        out, _ = run_dflash(setup, make_drafter(setup, cfg, ref, len(ids)), ids, cfg.max_tokens, _window(cfg))
         if out == ref:
             break
         ref = out
@@ -241,7 +249,7 @@ def run_context(
     for _ in range(cfg.warmup):
         base_ids, _ = run_baseline(setup, ids, cfg.max_tokens)
         if not cfg.oracle:  # the oracle's settling runs below are its warm-up
-            run_dflash(setup, make_drafter(setup, cfg, base_ids, ctx), ids, cfg.max_tokens)
+            run_dflash(setup, make_drafter(setup, cfg, base_ids, ctx), ids, cfg.max_tokens, _window(cfg))
         time.sleep(cfg.cooldown)
     reference, settle = base_ids, None
     if cfg.oracle:
@@ -264,7 +272,7 @@ def run_context(
                 got[eng] = run_baseline(setup, ids, cfg.max_tokens)
             else:
                 drafter = make_drafter(setup, cfg, reference, ctx)
-                got[eng] = run_dflash(setup, drafter, ids, cfg.max_tokens)
+                got[eng] = run_dflash(setup, drafter, ids, cfg.max_tokens, _window(cfg))
             rec = got[eng][1]
             extra = ""
             if eng == "dflash":
@@ -476,6 +484,8 @@ def _contexts(_ctx: Any, _param: Any, value: str) -> list[int]:
               help="Stop at EOS (default: ignore it, so all runs have the same length).")
 @click.option("--verify-iters", default=10, show_default=True, type=click.IntRange(0),
               help="Timed iterations of the M=block vs M=1 forward (0 = skip).")
+@click.option("--verify-window", default="auto", show_default=True,
+              help="Tokens per verify: auto, full, or a number (oracle mode: always full).")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--no-plot", is_flag=True, help="Do not draw the PNG plot.")
 def benchmark_command(no_plot: bool, **kwargs: Any) -> None:

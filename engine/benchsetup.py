@@ -65,6 +65,7 @@ class BenchConfig:
     label: str | None = None
     respect_eos: bool = False
     verify_iters: int = 10
+    verify_window: str = "auto"  # oracle mode always verifies the full block
     seed: int = 0
     plot: bool = True
 

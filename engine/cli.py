@@ -25,10 +25,11 @@ def main() -> None:
 @click.option("--stop", multiple=True, help="Stop sequence (repeatable).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, help="Cast target and draft (CPU: float32 is fastest).")
 @click.option("--kv-bits", type=click.IntRange(2, 8), default=None, help="Quantize the target's KV cache.")
+@click.option("--verify-window", default="auto", show_default=True, help="Tokens per verify: auto, full, or 2..block size.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats).")
-def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtype, kv_bits, as_json):
+def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtype, kv_bits, verify_window, as_json):
     """Generate greedily with DFlash; prints text as it streams, then the stats."""
-    from .generate import Finished, stream_dflash_generate
+    from .generate import Finished, format_stats, stream_dflash_generate
     from .loading import load_pair
     from .prompting import build_prompt
 
@@ -39,7 +40,8 @@ def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtyp
         ids = build_prompt(pair.tokenizer, prompt, system=system, raw=raw)
         final = None
         for ev in stream_dflash_generate(
-            pair.target, pair.drafter, pair.tokenizer, ids, max_tokens, stop=stop, kv_bits=kv_bits
+            pair.target, pair.drafter, pair.tokenizer, ids, max_tokens, stop=stop, kv_bits=kv_bits,
+            verify_window=verify_window,
         ):
             if isinstance(ev, Finished):
                 final = ev
@@ -53,13 +55,7 @@ def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtyp
         click.echo(json.dumps({"text": final.text, "token_ids": final.token_ids, "stats": s.to_dict()}))
     else:
         click.echo()
-        click.echo(
-            f"[dflash] prompt {s.prompt_tokens} tok, {s.prefill_tps:.1f} tok/s | generated "
-            f"{s.generated_tokens} tok, {s.decode_tps:.1f} tok/s | acceptance {s.acceptance:.1%}, "
-            f"{s.tokens_per_cycle:.2f} tok/cycle over {s.cycles} cycles | TTFT {s.ttft_s * 1000:.0f} ms"
-            f" | peak {s.peak_memory_gb:.2f} GB | {s.finish_reason}",
-            err=True,
-        )
+        click.echo(format_stats(s.to_dict()), err=True)
 
 
 @main.command("make-tiny")

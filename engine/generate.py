@@ -21,6 +21,7 @@ from .drafters import Drafter
 from .prefix import PrefixSession
 from .target import TargetModel
 from .verify import Verified, verify
+from .window import VerifyWindow
 
 
 @dataclass
@@ -50,6 +51,7 @@ class GenerationStats:
     peak_memory_gb: float = 0.0
     finish_reason: str = ""
     warnings: list[str] = field(default_factory=list)
+    mean_verify_window: float = 0.0  # tokens per verify pass (see window.py)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,8 +79,12 @@ def stream_dflash_generate(
     prompt_token_positions: Sequence[int] | None = None,
     should_cancel: Callable[[], bool] | None = None,
     prefix_cache: Any | None = None,
+    verify_window: str | int = "auto",
 ) -> Iterator[TokenDelta | Finished]:
     """Greedy DFlash generation. Yields TokenDelta events, then one Finished with the stats.
+
+    verify_window: "auto" (default; see window.py), "full" (the whole block, as published), or
+    a fixed number of tokens per verify (2..block size). Never changes the output, only the speed.
 
     prefix_cache (e.g. dflash.cache.tiers.PrefixCache; not used with sparse prefill): resume
     from the longest stored prefix of the prompt and store snapshots of this prompt's prefill.
@@ -103,6 +109,7 @@ def stream_dflash_generate(
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
 
     stats = GenerationStats(prompt_tokens=len(ids), block_size=drafter.block_size)
+    window = VerifyWindow(drafter.block_size, verify_window)
     stats.accept_histogram = [0] * drafter.block_size
     eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
     out = _Output(tokenizer, stop)
@@ -137,10 +144,17 @@ def stream_dflash_generate(
     pos = positions[-1] + 1 if positions is not None else len(ids)
     inflight: Verified | None = None
     reason = ""
+    verified_tokens = 0
+
+    def launch(anchor: mx.array, pos: int) -> Verified:
+        k = window.next()
+        drafts = drafter.propose(anchor, pos)[: k - 1]
+        return verify(target, caches, anchor, drafts, record_tape)
+
     try:
         done = out.push([first], [False], eos, max_tokens)
         if not done:
-            inflight = verify(target, caches, anchor, drafter.propose(anchor, pos), record_tape)
+            inflight = launch(anchor, pos)
         yield from out.drain()
         while not done:
             if should_cancel is not None and should_cancel():
@@ -155,12 +169,14 @@ def stream_dflash_generate(
             stats.cycles += 1
             stats.accepted_drafts += accepted
             stats.accept_histogram[accepted] += 1
+            window.observe(cyc.block_len, accepted)
+            verified_tokens += cyc.block_len
             new = values[1 : 1 + n_keep]
             done = out.push(new, [True] * accepted + [False], eos, max_tokens)
             pos += n_keep
             if not done:
                 nxt = cyc.greedy[accepted]
-                inflight = verify(target, caches, nxt, drafter.propose(nxt, pos), record_tape)
+                inflight = launch(nxt, pos)
             yield from out.drain()
             done = done or out.reason != ""
         reason = out.reason or "length"
@@ -171,12 +187,26 @@ def stream_dflash_generate(
     stats.generated_tokens = len(out.ids)
     stats.acceptance = stats.accepted_drafts / max(stats.generated_tokens, 1)
     stats.tokens_per_cycle = (stats.accepted_drafts + stats.cycles) / max(stats.cycles, 1)
+    stats.mean_verify_window = verified_tokens / max(stats.cycles, 1)
     stats.total_s = t_end - t_start
     stats.decode_tps = (stats.generated_tokens - 1) / max(t_end - t_first, 1e-9)
     stats.peak_memory_gb = _peak_memory_gb()
     stats.finish_reason = reason
     yield from out.drain(final=True)
     yield Finished(out.text, list(out.ids), stats)
+
+
+def format_stats(s: dict[str, Any]) -> str:
+    """One human line for a stats dict (GenerationStats.to_dict(), or a daemon job's stats)."""
+    g = s.get
+    return (
+        f"[dflash] prompt {g('prompt_tokens', 0)} tok ({g('cached_prompt_tokens', 0)} cached), "
+        f"{g('prefill_tps', 0):.1f} tok/s | generated {g('generated_tokens', 0)} tok, "
+        f"{g('decode_tps', 0):.1f} tok/s | acceptance {g('acceptance', 0):.1%}, "
+        f"{g('tokens_per_cycle', 0):.2f} tok/cycle over {g('cycles', 0)} cycles "
+        f"(verify window {g('mean_verify_window', 0):.1f}) | TTFT {g('ttft_s', 0) * 1000:.0f} ms | "
+        f"peak {g('peak_memory_gb', 0):.2f} GB | {g('finish_reason', '')}"
+    )
 
 
 def _peak_memory_gb() -> float:

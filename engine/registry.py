@@ -20,6 +20,8 @@ KNOWN_PAIRS: dict[str, str] = {
     "gemma-4-E4B-it": "z-lab/gemma-4-E4B-it-DFlash",
     "gemma-4-31B-it": "z-lab/gemma-4-31B-it-DFlash",
     "Llama-3.1-8B-Instruct": "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
+    # Ours, bundled in engine/drafts/ (trained with `dflash train-draft`).
+    "SmolLM2-135M-Instruct": "dflash/SmolLM2-135M-Instruct-DFlash",
 }
 
 _SUFFIXES = ("-4bit", "-8bit", "-bf16", "-fp16", "-mlx", "-MLX")

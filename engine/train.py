@@ -398,7 +398,9 @@ def evaluate(
     sums: dict[str, list[float]] = {}
     for s in samples:
         final = None
-        for ev in stream_dflash_generate(target, drafter, tokenizer, s.prompt_ids, max_tokens):
+        for ev in stream_dflash_generate(
+            target, drafter, tokenizer, s.prompt_ids, max_tokens, verify_window="full"
+        ):
             if isinstance(ev, Finished):
                 final = ev
         st = final.stats

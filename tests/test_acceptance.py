@@ -30,7 +30,9 @@ def test_acceptance_stops_at_first_corruption(pairs, arch, corrupt):
     )
     saved, pair.tokenizer.eos_token_ids = pair.tokenizer.eos_token_ids, set()
     try:
-        final, events = run_dflash(pair.target, oracle, pair.tokenizer, ids, n_new)
+        final, events = run_dflash(
+            pair.target, oracle, pair.tokenizer, ids, n_new, verify_window="full"
+        )
     finally:
         pair.tokenizer.eos_token_ids = saved
     assert final.token_ids == ref[:n_new]
@@ -44,3 +46,18 @@ def test_acceptance_stops_at_first_corruption(pairs, arch, corrupt):
     # per-token draft flags: every cycle emits `accepted` draft tokens then the target's bonus
     flags = [f for ev in events for f in ev.from_draft]
     assert len(flags) == n_new and flags[0] is False
+
+
+def test_window_policy_tracks_acceptance():
+    from dflash.engine.window import VerifyWindow
+
+    w = VerifyWindow(16, "auto")
+    for _ in range(30):
+        w.observe(16, 15)  # everything accepted
+    assert w.next() == 16
+    for _ in range(30):
+        w.observe(w.next(), 0)  # nothing accepted
+    assert w.next() <= 3
+    assert VerifyWindow(16, "full").next() == 16 and VerifyWindow(16, 4).next() == 4
+    with pytest.raises(ValueError):
+        VerifyWindow(16, 1)

@@ -40,7 +40,9 @@ def test_oracle_draft_fills_every_block(pairs, arch):
         oracle = OracleDrafter(ref, len(ids), B, vocab_size=pair.target.vocab_size)
         saved, pair.tokenizer.eos_token_ids = pair.tokenizer.eos_token_ids, set()
         try:  # no EOS: measure pure cycle behaviour
-            final, _ = run_dflash(pair.target, oracle, pair.tokenizer, ids, N_NEW)
+            final, _ = run_dflash(
+                pair.target, oracle, pair.tokenizer, ids, N_NEW, verify_window="full"
+            )
         finally:
             pair.tokenizer.eos_token_ids = saved
         assert final.token_ids == ref[:N_NEW]
@@ -48,3 +50,17 @@ def test_oracle_draft_fills_every_block(pairs, arch):
         # every cycle but possibly the last accepts all B-1 drafts
         assert hist[B - 1] >= final.stats.cycles - 1
         assert final.stats.tokens_per_cycle >= B - 1
+
+
+@pytest.mark.parametrize("window", ["auto", 2, 5])
+def test_verify_window_never_changes_output(pairs, window):
+    """Any verify window gives the same ids; auto shrinks it when the draft is poor."""
+    pair = pairs("qwen3_5")
+    ids = pair.tokenizer.encode(PROMPTS[0])
+    ref = cut_at_eos(greedy_reference(pair.target.model, ids, N_NEW), set(pair.tokenizer.eos_token_ids))
+    final, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, N_NEW, verify_window=window)
+    assert final.token_ids == ref
+    limit = 16 if window == "auto" else window
+    assert final.stats.mean_verify_window <= limit
+    if window == "auto":  # a random draft is rejected: the window shrinks towards 2
+        assert final.stats.mean_verify_window < 8
