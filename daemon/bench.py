@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import accel
+from dflash.engine import accel
 
 PROMPTS = [
     "Explain speculative decoding in two sentences.",

@@ -31,7 +31,9 @@ import zmq.auth
 from dflash.cache.client import CacheClient
 from dflash.cache.positions import PositionStore, Unavailable
 
-from . import accel, caching, codec, paths
+from dflash.engine import accel
+
+from . import caching, codec, paths
 from . import protocol as P
 from .compute import Compute
 from .config import DaemonConfig, load_config
@@ -445,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         log.error("bad configuration: %s", e)
         return 2
-    accel.maybe_reexec(cfg.blas)  # before anything imports MLX
+    accel.maybe_reexec(cfg.blas, module="dflash.daemon.worker")  # before anything imports MLX
     run_dir = paths.private_dir(cfg.runtime_path())
     lock = open(run_dir / "worker.lock", "w")
     try:

@@ -222,7 +222,9 @@ def build_setup(cfg: BenchConfig) -> Setup:
     if not cfg.model:
         raise ValueError("--model (or --random-target) is required")
     if not cfg.oracle and not cfg.draft:
-        raise ValueError("--draft is required unless --oracle is given")
+        from .registry import resolve_draft
+
+        cfg.draft = str(resolve_draft(cfg.model))  # clear error when no draft is known
     from mlx_lm import load as mlx_load
 
     model, tok = mlx_load(cfg.model)

@@ -11,8 +11,13 @@ from .. import engine as _engine  # noqa: F401  (keeps `dflash.engine` importabl
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """DFlash block-diffusion speculative decoding on MLX (lossless, greedy)."""
+    if ctx.invoked_subcommand in ("generate", "benchmark", "train-draft"):
+        from .accel import maybe_reexec
+
+        maybe_reexec()  # a fast BLAS for MLX's CPU backend, when installed ($DFLASH_BLAS=none: off)
 
 
 @main.command()

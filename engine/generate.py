@@ -72,7 +72,7 @@ def stream_dflash_generate(
     max_tokens: int = 256,
     *,
     stop: Sequence[str] = (),
-    prefill_chunk: int = 512,
+    prefill_chunk: int = 2048,
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     prompt_tokens_override: Sequence[int] | None = None,
@@ -153,9 +153,9 @@ def stream_dflash_generate(
 
     try:
         done = out.push([first], [False], eos, max_tokens)
+        yield from out.drain()  # the first token is known: hand it out before any cycle
         if not done:
             inflight = launch(anchor, pos)
-        yield from out.drain()
         while not done:
             if should_cancel is not None and should_cancel():
                 out.reason = "cancelled"
@@ -248,9 +248,9 @@ def _prefill(
         ends = sorted({*range(base + chunk, hi, chunk), *marks, hi})
         for end in (e for e in ends if lo < e <= hi):
             tokens = mx.array(ids[lo:end], dtype=mx.int32)[None]
-            logits, features = target.forward(tokens, caches)
+            logits, features = target.forward(tokens, caches, last_only=True)
             drafter.add_context(features)
-            mx.eval(logits[:, -1], [c.state for c in caches])
+            mx.eval(logits, [c.state for c in caches])
             if end in marks:
                 session.capture(end, logits)
             lo = end

@@ -107,13 +107,22 @@ class TargetModel:
     def make_cache(self) -> list[Any]:
         return make_prompt_cache(self.model)
 
-    def forward(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
-        """Run the target on `tokens` [1, L]; return (logits [1, L, V], features [1, L, K*D])."""
+    def forward(
+        self, tokens: mx.array, cache: list[Any], last_only: bool = False
+    ) -> tuple[mx.array, mx.array]:
+        """Run the target on `tokens` [1, L]; return (logits [1, L, V], features [1, L, K*D]).
+
+        `last_only` (prefill): logits of the last position only, [1, 1, V]; the LM head over a
+        whole prompt chunk is most of a small model's prefill and only its last row is used.
+        """
         sink: list[mx.array] = []
         for i in self.layer_ids:
             self.layers[i].__dict__["_dflash_sink"] = sink
         try:
-            logits = self.model(tokens, cache=cache)
+            if last_only:
+                logits = self.lm_head(self.inner(tokens, cache=cache)[:, -1:])
+            else:
+                logits = self.model(tokens, cache=cache)
         finally:
             for i in self.layer_ids:
                 self.layers[i].__dict__["_dflash_sink"] = None

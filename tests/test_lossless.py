@@ -64,3 +64,16 @@ def test_verify_window_never_changes_output(pairs, window):
     assert final.stats.mean_verify_window <= limit
     if window == "auto":  # a random draft is rejected: the window shrinks towards 2
         assert final.stats.mean_verify_window < 8
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_last_only_logits_equal_full_forward(pairs, arch):
+    """Prefill's last-row LM head gives exactly the full forward's last row."""
+    import mlx.core as mx
+
+    pair = pairs(arch)
+    ids = mx.array(pair.tokenizer.encode(PROMPTS[0]))[None]
+    full, f1 = pair.target.forward(ids, pair.target.make_cache())
+    last, f2 = pair.target.forward(ids, pair.target.make_cache(), last_only=True)
+    assert last.shape[1] == 1
+    assert mx.array_equal(full[:, -1:], last) and mx.array_equal(f1, f2)

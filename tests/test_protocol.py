@@ -9,7 +9,8 @@ import stat
 import msgpack
 import pytest
 
-from dflash.daemon import accel, codec, paths
+from dflash.daemon import codec, paths
+from dflash.engine import accel
 from dflash.daemon import protocol as P
 from dflash.daemon.config import DaemonConfig, load_config
 

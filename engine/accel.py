@@ -3,7 +3,8 @@
 On x86-64 Linux MLX's CPU backend takes cblas_sgemm from whatever BLAS libmlx.so resolves
 through its RPATH; preloading Intel MKL (the `mkl` PyPI package, extra `dflash[fastcpu]`) makes
 fp32 matmuls ~30x faster. LD_PRELOAD only works at exec time, so the worker re-executes itself
-once with it set. The choice is recorded in DFLASH_ACCEL and reported by `dflashd status`.
+once with it set. The choice is recorded in DFLASH_ACCEL and reported by `dflashd status`. The `dflash`
+commands (generate, benchmark, train-draft) and the worker all go through here.
 """
 
 from __future__ import annotations
@@ -47,14 +48,27 @@ def plan(blas: str = "auto", prefix: str | Path | None = None, env: dict | None 
     }
 
 
-def maybe_reexec(blas: str = "auto", module: str = "dflash.daemon.worker") -> None:
-    """Re-exec `python -m module argv...` with the planned environment (no return when it does)."""
+def maybe_reexec(blas: str | None = None, module: str | None = None) -> None:
+    """Re-exec this program with the planned environment (no return when it does).
+
+    `module`: run as `python -m module argv...` (the worker); default: the same command again
+    (a console script, or the `-m` module this process was started as). `blas` defaults to
+    $DFLASH_BLAS or "auto".
+    """
+    blas = blas or os.environ.get("DFLASH_BLAS", "auto")
     extra = plan(blas)
     if extra is None:
         os.environ.setdefault(MARK, "default BLAS (blas = none)" if blas == "none" else _describe())
         return
+    if module is None:
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        head = ["-m", spec.name] if spec is not None and spec.name else [sys.argv[0]]
+    else:
+        head = ["-m", module]
     env = dict(os.environ, **extra)
-    os.execve(sys.executable, [sys.executable, "-m", module] + sys.argv[1:], env)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *head, *sys.argv[1:]], env)
 
 
 def _describe() -> str:
