@@ -99,13 +99,13 @@ class DaemonConfig:
         ep = self.resolved_endpoint()
         if ep.startswith("tcp://"):
             host = ep[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
-            if not _is_loopback(host) and not self.curve_server_secret:
+            if not is_loopback(host) and not self.curve_server_secret:
                 raise ValueError(f"{ep} is not a loopback address: set curve_server_secret (CURVE keys)")
         elif not ep.startswith("ipc://"):
             raise ValueError(f"endpoint must be ipc:// or tcp://, got {ep!r}")
         cep = self.resolved_cache_endpoint()
         if cep.startswith("tcp://"):
-            if not _is_loopback(cep[len("tcp://") :].rsplit(":", 1)[0].strip("[]")):
+            if not is_loopback(cep[len("tcp://") :].rsplit(":", 1)[0].strip("[]")):
                 raise ValueError(f"cache_endpoint {cep} must be ipc:// or a loopback tcp:// address")
         elif not cep.startswith("ipc://"):
             raise ValueError(f"cache_endpoint must be ipc:// or tcp://, got {cep!r}")
@@ -118,7 +118,8 @@ class DaemonConfig:
                 raise ValueError(f"{name} must be >= 1")
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """True for localhost and loopback addresses (binding elsewhere needs keys)."""
     if host == "localhost":
         return True
     try:

@@ -29,7 +29,7 @@ from dflash.client.client import Result
 from dflash.daemon import protocol as P
 
 from . import openai_schema as S
-from .config import DaemonConfig
+from .config import DaemonConfig, is_loopback
 from .gateway_metrics import GatewayMetrics
 
 log = logging.getLogger("dflash.gateway")
@@ -266,15 +266,6 @@ async def run_gateway(gw: Gateway, host: str, port: int, on_ready: Callable[[str
         await runner.cleanup()
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _daemon_options(f: Any) -> Any:
     from .cli import _config_options
 
@@ -300,7 +291,7 @@ def serve_command(ctx, config_path, host, port, api_key, served_model_name, max_
     """OpenAI-compatible HTTP API over dflashd (starts the daemon, or attaches to a running one)."""
     from . import cli as dcli
 
-    if not _is_loopback(host) and not api_key:
+    if not is_loopback(host) and not api_key:
         raise click.ClickException(f"binding {host} (not loopback) needs --api-key (or DFLASH_API_KEY)")
     cfg = dcli._resolve(config_path, **flags)
     started = False

@@ -49,6 +49,23 @@ _BASE = dict(
     rope_theta=10000.0,
 )
 
+# Gated DeltaNet hybrids: linear-attention layers with a full-attention layer every 2nd.
+_HYBRID = dict(
+    num_hidden_layers=4,
+    full_attention_interval=2,
+    linear_num_value_heads=2,
+    linear_num_key_heads=1,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    rope_parameters={
+        "type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+        "mrope_section": [8, 8, 0],
+    },
+)
+
 ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": dict(_BASE, model_type="llama", num_hidden_layers=4, tie_word_embeddings=False),
     "qwen3": dict(_BASE, model_type="qwen3", num_hidden_layers=4),
@@ -63,43 +80,15 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         mlp_only_layers=[],
         norm_topk_prob=True,
     ),
-    "qwen3_5": dict(
-        _BASE,
-        model_type="qwen3_5",
-        num_hidden_layers=4,
-        full_attention_interval=2,
-        linear_num_value_heads=2,
-        linear_num_key_heads=1,
-        linear_key_head_dim=32,
-        linear_value_head_dim=32,
-        linear_conv_kernel_dim=4,
-        rope_parameters={
-            "type": "default",
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.5,
-            "mrope_section": [8, 8, 0],
-        },
-    ),
+    "qwen3_5": dict(_BASE, model_type="qwen3_5", **_HYBRID),
     "qwen3_5_moe": dict(
         _BASE,
         model_type="qwen3_5_moe",
-        num_hidden_layers=4,
-        full_attention_interval=2,
-        linear_num_value_heads=2,
-        linear_num_key_heads=1,
-        linear_key_head_dim=32,
-        linear_value_head_dim=32,
-        linear_conv_kernel_dim=4,
+        **_HYBRID,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=64,
         shared_expert_intermediate_size=64,
-        rope_parameters={
-            "type": "default",
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.5,
-            "mrope_section": [8, 8, 0],
-        },
     ),
     "gemma3_text": dict(
         _BASE,
