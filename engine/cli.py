@@ -7,7 +7,6 @@ import sys
 
 import click
 
-from .. import engine as _engine  # noqa: F401  (keeps `dflash.engine` importable as a package)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

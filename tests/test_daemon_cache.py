@@ -13,7 +13,7 @@ import time
 import pytest
 from daemon_fixtures import PROMPTS, Daemon, reference, tiny_pair  # noqa: F401
 
-from dflash.client import BadRequestError, CacheUnavailableError, DFlashClient, NotFoundError
+from dflash.client import BadRequestError, CacheUnavailableError, NotFoundError
 
 LONG = PROMPTS[3] + " " + " ".join(PROMPTS[4:8])  # a few dozen tokens: several snapshot boundaries
 

@@ -11,7 +11,6 @@ from dflash.engine import registry
 from dflash.engine.draft import DFlashDraft, load_draft, quantize_draft, save_draft
 from dflash.engine.drafters import DFlashDrafter
 from dflash.engine.target import default_layer_ids
-from dflash.engine import tiny
 from helpers import cut_at_eos, greedy_reference, run_dflash
 
 

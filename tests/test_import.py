@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -119,7 +118,6 @@ def _flat(m) -> dict[str, mx.array]:
     return dict(tree_flatten(m.parameters()))
 
 
-@pytest.mark.skipif(not os.environ.get("DFLASH_SLOW"), reason="slow (253 MB GGUF): set DFLASH_SLOW=1")
 @needs_gemma
 def test_gemma3_imports_and_continues_text(tmp_path_factory):
     """The BASE Gemma 3 270M: it continues text. ~25 s to convert, ~3 GB peak RSS."""
@@ -138,3 +136,21 @@ def test_gemma3_imports_and_continues_text(tmp_path_factory):
     assert tok.encode("Hi")[0] == cfg["bos_token_id"]  # Gemma needs its BOS
     text = generate(model, tok, "The capital of France is the city of", max_tokens=8)
     assert "Paris" in text, text
+
+
+@needs_smollm2
+def test_default_pair_is_lossless_and_the_bundled_draft_helps(smol: Path):
+    """The embedded default pair: the draft resolves from the registry, output == mlx-lm greedy,
+    and the trained draft is accepted far more often than a random one (which gets ~0%)."""
+    from helpers import cut_at_eos, greedy_reference, run_dflash
+
+    from dflash.engine.loading import load_pair
+    from dflash.engine.prompting import build_prompt
+
+    pair = load_pair(smol)
+    assert Path(pair.draft_path).name == "SmolLM2-135M-Instruct-DFlash"
+    ids = build_prompt(pair.tokenizer, "Write a Python function that returns the square of a number.")
+    ref = cut_at_eos(greedy_reference(pair.target.model, ids, 32), set(pair.tokenizer.eos_token_ids))
+    final, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, 32, verify_window="full")
+    assert final.token_ids == ref
+    assert final.stats.acceptance > 0.15
