@@ -138,6 +138,11 @@ def stop(config_path, timeout, **flags):
         os.kill(pid, signal.SIGTERM)
     end = time.monotonic() + timeout
     while pid is not None and time.monotonic() < end:
+        try:  # reap it when it is our own child (`dflash serve` started it), else it stays a zombie
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                break
+        except ChildProcessError:
+            pass
         try:
             os.kill(pid, 0)
         except OSError:

@@ -253,12 +253,12 @@ async def run_gateway(gw: Gateway, host: str, port: int, on_ready: Callable[[str
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    addr = runner.addresses[0]
-    on_ready(f"http://{addr[0] if ':' not in addr[0] else f'[{addr[0]}]'}:{addr[1]}")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before announcing: a prompt SIGTERM is handled too
         loop.add_signal_handler(sig, stop.set)
+    addr = runner.addresses[0]
+    on_ready(f"http://{addr[0] if ':' not in addr[0] else f'[{addr[0]}]'}:{addr[1]}")
     try:
         await stop.wait()
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import select
+from pathlib import Path
 import shutil
 import socket
 import subprocess
@@ -381,3 +382,39 @@ def test_serve_refuses_what_it_cannot_do(tmp_path):
     res = CliRunner().invoke(main, ["serve", "--runtime-dir", str(run), "--state-dir", str(tmp_path / "s")],
                              env={"DFLASH_MODEL": ""})
     assert res.exit_code != 0 and "no model configured" in res.output
+
+
+def test_serve_starts_and_stops_its_own_daemon(tiny_pair, tmp_path):  # noqa: F811
+    """Start mode: `serve` starts dflashd, answers, and on SIGTERM stops the daemon and exits."""
+    import signal
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="dfs", dir="/tmp"))  # short: ipc paths are capped
+    run, state = base / "run", base / "state"
+    cmd = [sys.executable, "-m", "dflash.engine.cli", "serve", "--port", "0", "--stop-daemon",
+           "--model", tiny_pair[0], "--draft", tiny_pair[1], "--runtime-dir", str(run),
+           "--state-dir", str(state), "--blas", "none"]
+    # unbuffered: select() must see every line (two arrive together here)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, bufsize=0)
+    try:
+        end, line = time.monotonic() + 60, b""
+        while time.monotonic() < end and b"listening on" not in line:
+            assert proc.poll() is None, f"serve exited {proc.returncode}"
+            if select.select([proc.stdout], [], [], 0.5)[0]:
+                line = proc.stdout.readline()
+        assert b"listening on" in line, f"serve did not start: {line!r}"
+        url = line.split(b"listening on ")[1].split()[0].decode()
+        r = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+        model = r.models.list().data[0].id
+        assert r.completions.create(model=model, prompt="hello", max_tokens=4).usage.completion_tokens == 4
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0  # no zombie supervisor keeps it waiting
+        from dflash.daemon.config import DaemonConfig
+        from dflash.client import DFlashClient, WorkerUnavailableError
+
+        cfg = DaemonConfig(runtime_dir=str(run), state_dir=str(state))
+        with pytest.raises(WorkerUnavailableError):
+            DFlashClient(cfg.resolved_endpoint(), config=cfg, timeout=1.0).stats()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
