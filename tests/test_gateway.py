@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import select
 from pathlib import Path
 import shutil
@@ -386,6 +387,7 @@ def test_serve_refuses_what_it_cannot_do(tmp_path):
 
 def test_serve_starts_and_stops_its_own_daemon(tiny_pair, tmp_path):  # noqa: F811
     """Start mode: `serve` starts dflashd, answers, and on SIGTERM stops the daemon and exits."""
+    import re
     import signal
     import tempfile
 
@@ -396,25 +398,27 @@ def test_serve_starts_and_stops_its_own_daemon(tiny_pair, tmp_path):  # noqa: F8
            "--state-dir", str(state), "--blas", "none"]
     # unbuffered: select() must see every line (two arrive together here)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, bufsize=0)
+    supervisor = None
     try:
-        end, line = time.monotonic() + 60, b""
+        end, line, seen = time.monotonic() + 60, b"", b""
         while time.monotonic() < end and b"listening on" not in line:
-            assert proc.poll() is None, f"serve exited {proc.returncode}"
+            assert proc.poll() is None, f"serve exited {proc.returncode}: {seen!r}"
             if select.select([proc.stdout], [], [], 0.5)[0]:
                 line = proc.stdout.readline()
-        assert b"listening on" in line, f"serve did not start: {line!r}"
+                seen += line
+        assert b"listening on" in line, f"serve did not start: {seen!r}"
+        supervisor = int(re.search(rb"supervisor (\d+)", seen).group(1))
         url = line.split(b"listening on ")[1].split()[0].decode()
         r = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
         model = r.models.list().data[0].id
         assert r.completions.create(model=model, prompt="hello", max_tokens=4).usage.completion_tokens == 4
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0  # no zombie supervisor keeps it waiting
-        from dflash.daemon.config import DaemonConfig
-        from dflash.client import DFlashClient, WorkerUnavailableError
-
-        cfg = DaemonConfig(runtime_dir=str(run), state_dir=str(state))
-        with pytest.raises(WorkerUnavailableError):
-            DFlashClient(cfg.resolved_endpoint(), config=cfg, timeout=1.0).stats()
+        assert b"dflashd stopped" in proc.stdout.read()
+        with pytest.raises(ProcessLookupError):  # the daemon it started is gone, and reaped
+            os.kill(supervisor, 0)
     finally:
         if proc.poll() is None:
             proc.kill()
+        subprocess.run([sys.executable, "-m", "dflash.daemon.cli", "stop", "--runtime-dir", str(run),
+                        "--state-dir", str(state), "--timeout", "10"], capture_output=True, cwd=ROOT)
