@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import mlx.core as mx
 from mlx_lm.models.cache import (
     ArraysCache,
     KVCache,
@@ -114,16 +113,3 @@ def quantize_kv(caches: list[Any], bits: int | None, group_size: int = 64) -> No
     for i, c in enumerate(caches):
         if type(c) is KVCache:
             caches[i] = c.to_quantized(group_size=group_size, bits=bits)
-
-
-def cache_offset(caches: Sequence[Any]) -> int:
-    """Tokens held by the attention caches (recurrent caches carry no offset)."""
-    for c in caches:
-        if hasattr(c, "offset"):
-            return int(c.offset)
-    return -1
-
-
-def evaluate(caches: Sequence[Any]) -> None:
-    """Materialise every cache array (used after prefill chunks to bound the graph)."""
-    mx.eval([c.state for c in caches])
