@@ -55,7 +55,7 @@ class CacheClient:
     def ping(self) -> bool:
         return self.call("ping") is not None
 
-    def get_first(self, keys: list[str]) -> tuple[str, bytes] | None:
+    def get_first(self, keys: list[str]) -> tuple[str, bytes | memoryview] | None:
         """The first of `keys` (in order) the cache process holds intact, with its bytes."""
         if not keys:
             return None
@@ -94,7 +94,7 @@ class CacheClient:
     # --- transport -------------------------------------------------------------------------
     def _request(
         self, header: dict[str, Any], payload: bytes | None, want_reply: bool
-    ) -> tuple[dict[str, Any], bytes | None] | None:
+    ) -> tuple[dict[str, Any], memoryview | None] | None:
         with self._lock:
             if time.monotonic() < self._down_until:
                 self.counters["unavailable"] += 1
@@ -123,16 +123,16 @@ class CacheClient:
                 return {"ok": True}, None
             return self._await(sock, rid)
 
-    def _await(self, sock: zmq.Socket, rid: int) -> tuple[dict[str, Any], bytes | None] | None:
+    def _await(self, sock: zmq.Socket, rid: int) -> tuple[dict[str, Any], memoryview | None] | None:
         deadline = time.monotonic() + self.timeout_s
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
                 self._fail(timeout=True)
                 return None
-            frames = sock.recv_multipart()
+            frames = sock.recv_multipart(copy=False)  # a snapshot is read in place, not copied
             try:
-                reply = msgpack.unpackb(frames[0], raw=False)
+                reply = msgpack.unpackb(frames[0].buffer, raw=False)
             except Exception:
                 continue
             if not isinstance(reply, dict) or reply.get("id") != rid:
@@ -140,7 +140,7 @@ class CacheClient:
             if not reply.get("ok"):
                 self.counters["errors"] += 1
                 return None
-            return reply, (frames[1] if len(frames) > 1 else None)
+            return reply, (frames[1].buffer if len(frames) > 1 else None)
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:

@@ -159,7 +159,7 @@ class Server:
             reply = self.handle(frames)
             if reply is not None:
                 try:
-                    self.sock.send_multipart(reply, flags=zmq.NOBLOCK)
+                    self.sock.send_multipart(reply, flags=zmq.NOBLOCK, copy=False)
                 except zmq.ZMQError:
                     pass  # the peer is gone; nothing to do
 

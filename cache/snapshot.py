@@ -1,32 +1,41 @@
-"""The byte format of a prefix snapshot: a checked envelope around a msgpack body.
+"""The byte format of a prefix snapshot: a checked envelope around a msgpack map plus raw blobs.
 
 The worker encodes snapshots (engine/prefix.py turns MLX arrays into array records); the cache
 process only stores and verifies bytes, so this module imports neither MLX nor numpy. No pickle:
 arrays travel as {"dtype", "shape", "data"} records with raw little-endian bytes (bfloat16 as its
 uint16 bit pattern).
 
+Bulk bytes stay out of msgpack: every bytes value in the body is replaced by a reference
+(msgpack ext type 1: offset, length) into a blob section that follows the map. Packing a 100 MB
+KV cache through msgpack copied it twice and cost ~10x the memory bandwidth; this way encoding is
+one join, and decoding hands out memoryviews into the received buffer (no copy).
+
 Envelope layout (all little-endian):
     magic  b"DFSN"      4 bytes
     format version      u16
     reserved            u16 (0)
-    body length         u64
-    blake2b-256(body)   32 bytes
-    body                msgpack map
+    map length          u64
+    blob length         u64
+    crc32(map + blobs)  u32   (detects truncation and bit rot; the cache is local, not hostile)
+    map                 msgpack
+    blobs               raw bytes
 A short, long or altered value fails `verify` and is never decoded.
 """
 
 from __future__ import annotations
 
-import hashlib
 import struct
+import zlib
 from typing import Any
 
 import msgpack
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAGIC = b"DFSN"
-_HEADER = struct.Struct("<4sHHQ32s")
+_HEADER = struct.Struct("<4sHHQQI")
 HEADER_SIZE = _HEADER.size
+_BLOB_REF = 1  # msgpack ext type code of a blob reference
+_REF = struct.Struct("<QQ")
 
 # dtype names an array record may carry, with their item size in bytes.
 DTYPE_SIZES = {
@@ -49,40 +58,70 @@ class CorruptSnapshot(ValueError):
     """The bytes are not a complete, intact snapshot of the supported format version."""
 
 
-def _digest(body: bytes | memoryview) -> bytes:
-    return hashlib.blake2b(body, digest_size=32).digest()
-
-
 def encode(body: dict[str, Any]) -> bytes:
     """Pack a snapshot body (plain msgpack types and array records) into a checked envelope."""
-    packed = msgpack.packb(body, use_bin_type=True)
-    header = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(packed), _digest(packed))
-    return header + packed
+    blobs: list[bytes | memoryview] = []
+    size = 0
+
+    def out_of_line(obj: Any) -> Any:
+        nonlocal size
+        if isinstance(obj, (bytes, bytearray, memoryview)):
+            ref = msgpack.ExtType(_BLOB_REF, _REF.pack(size, len(obj)))
+            blobs.append(obj)
+            size += len(obj)
+            return ref
+        if isinstance(obj, dict):
+            return {k: out_of_line(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [out_of_line(v) for v in obj]
+        return obj
+
+    packed = msgpack.packb(out_of_line(body), use_bin_type=True)
+    crc = zlib.crc32(packed)
+    for b in blobs:
+        crc = zlib.crc32(b, crc)
+    header = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(packed), size, crc)
+    return b"".join([header, packed, *blobs])
 
 
 def verify(data: bytes | memoryview) -> str:
     """Return "" when `data` is an intact envelope of this format version, else the reason."""
     if len(data) < HEADER_SIZE:
         return "truncated header"
-    magic, version, _, length, digest = _HEADER.unpack_from(data, 0)
+    magic, version, _, map_len, blob_len, crc = _HEADER.unpack_from(data, 0)
     if magic != MAGIC:
         return "bad magic"
     if version != FORMAT_VERSION:
         return f"format version {version} != {FORMAT_VERSION}"
-    if len(data) - HEADER_SIZE != length:
-        return f"body is {len(data) - HEADER_SIZE} bytes, header says {length}"
-    if _digest(memoryview(data)[HEADER_SIZE:]) != digest:
+    if len(data) - HEADER_SIZE != map_len + blob_len:
+        return f"body is {len(data) - HEADER_SIZE} bytes, header says {map_len + blob_len}"
+    if zlib.crc32(memoryview(data)[HEADER_SIZE:]) != crc:
         return "checksum mismatch"
     return ""
 
 
 def decode(data: bytes | memoryview) -> dict[str, Any]:
-    """Verify and unpack an envelope; raise CorruptSnapshot instead of returning bad data."""
+    """Verify and unpack an envelope; raise CorruptSnapshot instead of returning bad data.
+
+    Bytes values come back as memoryviews into `data` (keep `data` alive while using them).
+    """
     reason = verify(data)
     if reason:
         raise CorruptSnapshot(reason)
+    view = memoryview(data)
+    map_len = _HEADER.unpack_from(view, 0)[3]
+    blobs = view[HEADER_SIZE + map_len :]
+
+    def blob(code: int, raw: bytes) -> Any:
+        if code != _BLOB_REF or len(raw) != _REF.size:
+            raise ValueError(f"unknown ext type {code}")
+        off, n = _REF.unpack(raw)
+        if off + n > len(blobs):
+            raise ValueError("blob reference out of range")
+        return blobs[off : off + n]
+
     try:
-        body = msgpack.unpackb(memoryview(data)[HEADER_SIZE:], raw=False)
+        body = msgpack.unpackb(view[HEADER_SIZE : HEADER_SIZE + map_len], raw=False, ext_hook=blob)
     except Exception as e:  # checksum passed, so this is a writer bug; still never load it
         raise CorruptSnapshot(f"undecodable body: {e}") from e
     if not isinstance(body, dict):

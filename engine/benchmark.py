@@ -40,6 +40,7 @@ from .benchsetup import (
     BenchConfig,
     Setup,
     build_setup,
+    chat_prompts,
     make_drafter,
     prompt_ids,
 )
@@ -321,8 +322,12 @@ def run_benchmark(cfg: BenchConfig, log: Log = print) -> tuple[dict, Path]:
 
     runs: list[dict] = []
     summary: list[dict] = []
-    for ctx in cfg.contexts:
-        ctx_runs, row = run_context(setup, cfg, prompt_ids(setup, ctx, text, cfg.seed), log)
+    if cfg.chat:
+        prompts = chat_prompts(setup, text)
+    else:
+        prompts = [prompt_ids(setup, ctx, text, cfg.seed) for ctx in cfg.contexts]
+    for ids in prompts:
+        ctx_runs, row = run_context(setup, cfg, ids, log)
         runs.extend(ctx_runs)
         summary.append(row)
 
@@ -478,7 +483,11 @@ def _contexts(_ctx: Any, _param: Any, value: str) -> list[int]:
               help="Cast target and draft (default: as stored; random target: bf16 GPU, fp32 CPU).")
 @click.option("--out", default="benchmark/results", show_default=True, help="Output folder.")
 @click.option("--prompt-file", default=None, type=click.Path(exists=True, dir_okay=False),
-              help="Text to build prompts from (repeated/trimmed); default: built-in prose.")
+              help="Text to build prompts from (repeated/trimmed); default: built-in prose. "
+                   "With --chat: one question per line.")
+@click.option("--chat", is_flag=True,
+              help="Chat questions through the model's chat template, one row each (built-in "
+                   "ones or --prompt-file lines) instead of raw text cut to --contexts.")
 @click.option("--label", default=None, help="Name for the result files (default: model name).")
 @click.option("--respect-eos", is_flag=True,
               help="Stop at EOS (default: ignore it, so all runs have the same length).")

@@ -62,6 +62,7 @@ class BenchConfig:
     dtype: str | None = None
     out: str = "benchmark/results"
     prompt_file: str | None = None
+    chat: bool = False  # prompts = chat questions through the template, not text cut to contexts
     label: str | None = None
     respect_eos: bool = False
     verify_iters: int = 10
@@ -321,6 +322,29 @@ def prompt_ids(setup: Setup, length: int, text: str | None, seed: int) -> list[i
     while len(ids) < length:
         ids.extend(body)
     return ids[:length]
+
+
+def chat_prompts(setup: Setup, text: str | None) -> list[list[int]]:
+    """One prompt per question (a line of `text`, or the built-in ones) through the chat template."""
+    from .prompting import build_prompt
+
+    if setup.random_prompts:
+        raise ValueError("--chat needs a real model with a tokenizer (not --random-target)")
+    questions = [q.strip() for q in text.splitlines() if q.strip()] if text else CHAT_QUESTIONS
+    if not questions:
+        raise ValueError("the prompt file has no questions")
+    return [build_prompt(setup.tokenizer, q) for q in questions]
+
+
+# Everyday assistant questions of the kinds the default draft is trained on (chat, code, math,
+# explanation, story); none is in its training prompts.
+CHAT_QUESTIONS = [
+    "What are three simple ways to drink more water during the day?",
+    "Write a Python function that returns the second largest number in a list.",
+    "A recipe needs 3 eggs for 12 cookies. How many eggs do I need for 30 cookies?",
+    "Explain how a refrigerator keeps food cold.",
+    "Write a short story about a snail who wants to see the ocean.",
+]
 
 
 # --- built-in prompt text -----------------------------------------------------------------------

@@ -59,16 +59,23 @@ class Snapshot:
             out.extend(_state_arrays(st))
         return out
 
-    def encode(self) -> bytes:
-        """The checked byte form (dflash.cache.snapshot) for the cache process."""
+    def body(self) -> dict[str, Any]:
+        """The msgpack-able map for dflash.cache.snapshot.encode; arrays as views, not copies.
+
+        Runs on the engine thread (all MLX work happens here); encoding the map to bytes is
+        plain memory work that the prefix cache's writer thread does.
+        """
         mx.eval(self._arrays())
-        body = {
+        return {
             "n_tokens": self.n_tokens,
             "target": [_encode_state(st) for st in self.target],
             "draft": None if self.draft is None else [_encode_state(st) for st in self.draft],
             "logits": _to_record(self.logits),
         }
-        return fmt.encode(body)
+
+    def encode(self) -> bytes:
+        """The checked byte form (dflash.cache.snapshot) for the cache process."""
+        return fmt.encode(self.body())
 
     @classmethod
     def decode(cls, data: bytes) -> "Snapshot":
@@ -228,7 +235,8 @@ def _decode_state(st: dict[str, Any]) -> dict[str, Any]:
 def _to_record(a: mx.array) -> dict[str, Any]:
     name = _NAMES[a.dtype]
     raw = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a  # numpy has no bfloat16
-    return fmt.array_record(name, a.shape, np.ascontiguousarray(raw).tobytes())
+    # a view of the array's own memory: fmt.encode copies it once, into the envelope
+    return fmt.array_record(name, a.shape, memoryview(np.ascontiguousarray(raw)).cast("B"))
 
 
 def _from_record(rec: dict[str, Any]) -> mx.array:

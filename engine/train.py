@@ -177,15 +177,14 @@ class TrainOptions:
     anchors_per_seq: int = 16
     max_len: int = 512
     dtype: str | None = None
-    feature_dtype: str = "bfloat16"
     compile: bool = True
     seed: int = 0
     prompts: str | None = None
     num_prompts: int = 600
+    derive_prompts: int = 0
     heldout_per_kind: int = 8
     max_new_tokens: int = 256
     gen_batch_size: int = 64
-    feature_batch_tokens: int = 16384
     eval_max_tokens: int = 128
     eval_prompts: int | None = None
     log_every: int = 10
@@ -220,7 +219,7 @@ def _init_from_target(draft: DFlashDraft, target: TargetModel) -> int:
 
 
 def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
-    """The whole pipeline: data -> features -> training -> save -> held-out evaluation."""
+    """The whole pipeline: data -> training (target features per batch) -> save -> held-out evaluation."""
     from mlx.utils import tree_flatten, tree_unflatten
     import mlx.optimizers as optim
     from mlx_lm import load as mlx_load
@@ -257,27 +256,32 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
         f"{dtype}) | draft {cfg.num_hidden_layers} layers, {n_params / 1e6:.1f}M params, "
         f"block {cfg.block_size}, capture {cfg.target_layer_ids}, mask id {cfg.mask_token_id}")
 
-    # data: prompts -> responses -> features (each step cached and resumable)
+    # data: prompts (file / built-in + derived by the target) -> responses (cached, resumable)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
     prompts = td.load_prompt_file(opts.prompts) if opts.prompts else td.builtin_prompts(opts.num_prompts, opts.seed)
+    n_derived = 0
+    if opts.derive_prompts:
+        derived_file = data_dir / "derived_prompts.jsonl"
+        derived = td.load_prompt_file(derived_file) if derived_file.is_file() else []
+        if len(derived) < opts.derive_prompts:
+            derived = td.derive_prompts(model, tokenizer, opts.derive_prompts, opts.seed,
+                                        opts.gen_batch_size, log=log)
+            derived_file.write_text("".join(json.dumps({"kind": k, "prompt": p}) + "\n" for k, p in derived))
+        n_derived = len(derived[: opts.derive_prompts])
+        prompts = prompts + derived[: opts.derive_prompts]
     splits = td.split_heldout(prompts, opts.heldout_per_kind, opts.seed)
     train_prompts = [p for p, s in zip(prompts, splits) if s == "train"]
     heldout = [td.Sample(k, p, td.chat_ids(tokenizer, p), [], "heldout")
                for (k, p), s in zip(prompts, splits) if s == "heldout"]
-    data_dir.mkdir(parents=True, exist_ok=True)
     (data_dir / "heldout.jsonl").write_text("".join(json.dumps(asdict(s)) + "\n" for s in heldout))
-    t0 = time.perf_counter()
     samples = td.generate_responses(model, tokenizer, train_prompts, ["train"] * len(train_prompts),
                                     data_dir / "responses.jsonl", opts.max_new_tokens,
                                     opts.gen_batch_size, log)
     t_gen = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    td.extract_features(target, samples, data_dir / f"features_{'-'.join(map(str, cfg.target_layer_ids))}",
-                        opts.max_len, opts.feature_batch_tokens, dtype=getattr(mx, opts.feature_dtype),
-                        log=log)
-    t_feat = time.perf_counter() - t0
-    store = td.FeatureStore.load(data_dir / f"features_{'-'.join(map(str, cfg.target_layer_ids))}")
+    store = td.TokenStore.from_samples(samples, opts.max_len)
     log(f"[data] {store.num_sequences} training sequences, {store.num_tokens} tokens "
-        f"(generation {t_gen:.0f}s, features {t_feat:.0f}s)")
+        f"(prompts + responses in {t_gen:.0f}s)")
 
     # optimiser, state, resume
     optimizer = optim.AdamW(learning_rate=opts.lr, weight_decay=opts.weight_decay)
@@ -296,6 +300,10 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
         draft, lambda *a: block_loss(draft, target, weights_k, *a)
     )
     state = [draft.state, optimizer.state]
+
+    def features(tokens: mx.array) -> mx.array:
+        """The target's captured hidden states for a batch, computed on the fly (never trained)."""
+        return mx.stop_gradient(target.forward(tokens, None, last_only=True)[1])
 
     def step_fn(feats, anchor_ids, anchors, labels, valid):
         (loss, acc1, alen), grads = loss_and_grad(feats, anchor_ids, anchors, labels, valid)
@@ -330,7 +338,7 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
     while progress(step, elapsed) < 1.0:
         optimizer.learning_rate = _schedule(opts, progress(step, elapsed))
         batch = next(batches)
-        res = step_fn(batch["feats"], batch["anchor_ids"], batch["anchors"], batch["labels"], batch["valid"])
+        res = step_fn(features(batch["tokens"]), batch["anchor_ids"], batch["anchors"], batch["labels"], batch["valid"])
         mx.async_eval(res, draft.state, optimizer.state)
         window.append(res)
         step += 1
@@ -374,10 +382,10 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
     t_eval = time.perf_counter() - t0
     summary = {
         "target": opts.target, "draft_dir": str(out), "steps": step,
-        "train_time_s": t_train, "generation_time_s": t_gen, "feature_time_s": t_feat,
+        "train_time_s": t_train, "generation_time_s": t_gen,
         "eval_time_s": t_eval, "total_time_s": time.perf_counter() - t_begin,
         "train_sequences": store.num_sequences, "train_tokens": store.num_tokens,
-        "heldout_prompts": len(eval_set), "final": history[-1] if history else {},
+        "derived_prompts": n_derived, "heldout_prompts": len(eval_set), "final": history[-1] if history else {},
         "heldout": report, "config": cfg.to_dict(), "device": str(mx.default_device()),
         "options": {k: v for k, v in asdict(opts).items() if k != "extra"}, "dtype": dtype,
     }
@@ -443,7 +451,7 @@ Output is always the target's own greedy text; the draft only sets the speed.
 - target layers captured: {c['dflash_config']['target_layer_ids']} of {c['num_target_layers']}
 
 ## Training data
-- {s['train_sequences']} prompts ({'file ' + str(o['prompts']) if o['prompts'] else 'built-in prompt set: chat, code, math, story, explain'}),
+- {s['train_sequences']} prompts ({'file ' + str(o['prompts']) if o['prompts'] else 'built-in prompt set: chat, code, math, story, explain'}{f" + {s['derived_prompts']} written by the target itself (sampled user turns)" if s.get('derived_prompts') else ''}),
   responses regenerated greedily by the target (up to {o['max_new_tokens']} new tokens),
   {s['train_tokens']} tokens in all (prompt + response, cut at {o['max_len']})
 - held-out prompts ({s['heldout_prompts']}) were never trained on
@@ -453,8 +461,8 @@ Output is always the target's own greedy text; the draft only sets the speed.
 - AdamW lr {o['lr']}, cosine, {o['warmup']:.0%} warmup, grad clip {o['grad_clip']},
   loss decay gamma {o['gamma'] or default_gamma(c['block_size'])}; embedding and LM head frozen
 - final loss {f.get('loss', float('nan')):.4f}, block accuracy@1 {f.get('acc1', float('nan')):.3f}
-- device {s['device']}, target dtype {s['dtype']}; time: generation {s['generation_time_s']:.0f}s,
-  features {s['feature_time_s']:.0f}s, training {s['train_time_s']:.0f}s, evaluation {s['eval_time_s']:.0f}s
+- device {s['device']}, target dtype {s['dtype']}; time: data {s['generation_time_s']:.0f}s,
+  training {s['train_time_s']:.0f}s (target features computed per batch), evaluation {s['eval_time_s']:.0f}s
 
 ## Held-out acceptance (greedy, `stream_dflash_generate`, up to {o['eval_max_tokens']} tokens)
 | prompt kind | prompts | acceptance | tokens per cycle (tau) |
@@ -471,7 +479,7 @@ def _cli():
     @click.command("train-draft")
     @click.option("--target", required=True, help="Target model directory (mlx-lm format).")
     @click.option("--out", required=True, help="Output draft directory (published DFlash format).")
-    @click.option("--data-dir", default=None, help="Cache of responses + features (default OUT/data).")
+    @click.option("--data-dir", default=None, help="Cache of prompts + responses (default OUT/data).")
     @click.option("--layers", default=1, show_default=True, type=click.IntRange(1))
     @click.option("--block-size", default=16, show_default=True, type=click.IntRange(2))
     @click.option("--num-capture", default=5, show_default=True, help="Target layers captured (K).")
@@ -487,6 +495,7 @@ def _cli():
     @click.option("--seed", default=0, show_default=True)
     @click.option("--prompts", default=None, help="Prompt file (JSONL with prompt/kind, or one per line).")
     @click.option("--num-prompts", default=600, show_default=True, help="Built-in prompts to use.")
+    @click.option("--derive-prompts", default=0, show_default=True, help="Extra prompts the target writes itself (sampled user turns).")
     @click.option("--heldout-per-kind", default=8, show_default=True)
     @click.option("--max-new-tokens", default=256, show_default=True)
     @click.option("--gen-batch-size", default=64, show_default=True)

