@@ -123,6 +123,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--out", default=None, help="JSON file (printed too)")
     args = ap.parse_args(argv)
+    if argv is None:  # as a program: the fast CPU BLAS, like `dflash benchmark` ($DFLASH_BLAS=none: off)
+        from dflash.engine.accel import maybe_reexec
+
+        maybe_reexec(module="dflash.cache.bench")
     res = run(args.model, args.draft, args.tokens, args.repeats, args.every, args.dtype)
     text = json.dumps(res, indent=2)
     print(text)
