@@ -288,8 +288,8 @@ class CostedOracleDrafter:
     def add_context(self, features: mx.array) -> None:
         self.draft.add_context(features)
 
-    def propose(self, anchor: mx.array, anchor_pos: int) -> mx.array:
-        return self.oracle.propose(anchor, anchor_pos) + 0 * self.draft.propose(anchor, anchor_pos)
+    def propose(self, anchor: mx.array, anchor_pos: int, count: int | None = None) -> mx.array:
+        return self.oracle.propose(anchor, anchor_pos, count) + 0 * self.draft.propose(anchor, anchor_pos, count)
 
 
 def make_drafter(setup: Setup, cfg: BenchConfig, reference: list[int], prompt_len: int) -> Drafter:

@@ -29,7 +29,7 @@ def main(ctx: click.Context) -> None:
 @click.option("--stop", multiple=True, help="Stop sequence (repeatable).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, help="Cast target and draft (CPU: float32 is fastest).")
 @click.option("--kv-bits", type=click.IntRange(2, 8), default=None, help="Quantize the target's KV cache.")
-@click.option("--verify-window", default="auto", show_default=True, help="Tokens per verify: auto, full, or 2..block size.")
+@click.option("--verify-window", default="auto", show_default=True, help="Tokens per verify: auto, full, or 1..block size (1 = plain decoding).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats).")
 def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtype, kv_bits, verify_window, as_json):
     """Generate greedily with DFlash; prints text as it streams, then the stats."""

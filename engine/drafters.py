@@ -32,8 +32,12 @@ class Drafter(Protocol):
 
     def add_context(self, features: mx.array) -> None: ...
 
-    def propose(self, anchor: mx.array, anchor_pos: int) -> mx.array:
-        """Draft ids for positions anchor_pos+1 .. anchor_pos+B-1, shape (B-1,), lazy."""
+    def propose(self, anchor: mx.array, anchor_pos: int, count: int | None = None) -> mx.array:
+        """Draft ids for positions anchor_pos+1 .. anchor_pos+count (default B-1), lazy.
+
+        The block always runs whole (every position sees the full block); only `count` rows
+        go through the LM head, the draft's biggest matmul, when the verify window is shorter.
+        """
         ...
 
 
@@ -66,14 +70,15 @@ class DFlashDrafter:
     def add_context(self, features: mx.array) -> None:
         self.draft.add_context(features.astype(self.draft.fc.weight.dtype), self.cache)
 
-    def propose(self, anchor: mx.array, anchor_pos: int) -> mx.array:
+    def propose(self, anchor: mx.array, anchor_pos: int, count: int | None = None) -> mx.array:
         if self.context_len != anchor_pos:
             raise RuntimeError(
                 f"draft context holds {self.context_len} rows, anchor is at {anchor_pos}"
             )
         block = mx.concatenate([anchor.reshape(1).astype(mx.int32), self._masks])[None]
         h = self.draft(self.target.embed(block), anchor_pos, self.cache)
-        return mx.argmax(self.target.lm_head(h[:, 1:]), axis=-1)[0].astype(mx.int32)
+        rows = h[:, 1 : 1 + (self.block_size - 1 if count is None else count)]
+        return mx.argmax(self.target.lm_head(rows), axis=-1)[0].astype(mx.int32)
 
 
 class OracleDrafter:
@@ -104,10 +109,10 @@ class OracleDrafter:
     def add_context(self, features: mx.array) -> None:
         pass
 
-    def propose(self, anchor: mx.array, anchor_pos: int) -> mx.array:
+    def propose(self, anchor: mx.array, anchor_pos: int, count: int | None = None) -> mx.array:
         start = anchor_pos + 1 - self.prompt_len
         ids = []
-        for j in range(1, self.block_size):
+        for j in range(1, 1 + (self.block_size - 1 if count is None else count)):
             i = start + j - 1
             tok = self.reference[i] if 0 <= i < len(self.reference) else 0
             if j in self.corrupt_at:

@@ -52,6 +52,7 @@ class GenerationStats:
     finish_reason: str = ""
     warnings: list[str] = field(default_factory=list)
     mean_verify_window: float = 0.0  # tokens per verify pass (see window.py)
+    plain_steps: int = 0  # cycles run as plain decode steps (window 1: drafting did not pay)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -147,8 +148,8 @@ def stream_dflash_generate(
     verified_tokens = 0
 
     def launch(anchor: mx.array, pos: int) -> Verified:
-        k = window.next()
-        drafts = drafter.propose(anchor, pos)[: k - 1]
+        k = window.next()  # 1: a plain decode step, no draft pass (see window.py)
+        drafts = drafter.propose(anchor, pos, k - 1) if k > 1 else mx.zeros((0,), mx.int32)
         return verify(target, caches, anchor, drafts, record_tape)
 
     try:
@@ -156,20 +157,24 @@ def stream_dflash_generate(
         yield from out.drain()  # the first token is known: hand it out before any cycle
         if not done:
             inflight = launch(anchor, pos)
+        t_sync = time.perf_counter()
         while not done:
             if should_cancel is not None and should_cancel():
                 out.reason = "cancelled"
                 break
             cyc, inflight = inflight, None
             values = cyc.summary.tolist()  # the one host sync of the cycle
+            now = time.perf_counter()
+            cycle_s, t_sync = now - t_sync, now  # this cycle's whole cost, for the window policy
             accepted = values[0]
             n_keep = accepted + 1
             rollback.rewind(caches, target.layers, n_keep, cyc.block_len, cyc.tape)
             drafter.add_context(cyc.features[:, :n_keep])
             stats.cycles += 1
+            stats.plain_steps += cyc.block_len == 1
             stats.accepted_drafts += accepted
             stats.accept_histogram[accepted] += 1
-            window.observe(cyc.block_len, accepted)
+            window.observe(cyc.block_len, accepted, cycle_s)
             verified_tokens += cyc.block_len
             new = values[1 : 1 + n_keep]
             done = out.push(new, [True] * accepted + [False], eos, max_tokens)
@@ -204,7 +209,7 @@ def format_stats(s: dict[str, Any]) -> str:
         f"{g('prefill_tps', 0):.1f} tok/s | generated {g('generated_tokens', 0)} tok, "
         f"{g('decode_tps', 0):.1f} tok/s | acceptance {g('acceptance', 0):.1%}, "
         f"{g('tokens_per_cycle', 0):.2f} tok/cycle over {g('cycles', 0)} cycles "
-        f"(verify window {g('mean_verify_window', 0):.1f}) | TTFT {g('ttft_s', 0) * 1000:.0f} ms | "
+        f"(verify window {g('mean_verify_window', 0):.1f}, {g('plain_steps', 0)} plain) | TTFT {g('ttft_s', 0) * 1000:.0f} ms | "
         f"peak {g('peak_memory_gb', 0):.2f} GB | {g('finish_reason', '')}"
     )
 

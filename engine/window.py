@@ -1,12 +1,21 @@
-"""How many of the draft's tokens to verify each cycle.
+"""How many of the draft's tokens to verify each cycle, and when not to draft at all.
 
 The draft always proposes a whole block in one pass; verifying all of it is right when the draft is
 good or when a wide verify costs about as much as one decode step (GPUs: M=16 costs ~1.5 steps).
 On a CPU a 16-token verify costs ~2.4 steps, so a draft accepted only half the time is better
 verified a few tokens at a time. "auto" picks the window k that maximises expected tokens per unit
 of time: with per-token acceptance p (geometric, estimated from recent cycles) a window of k emits
-E(k) = 1 + p + ... + p^(k-1) tokens, and costs 1 + d + c*(k-1) decode steps (d: the draft pass,
-c: each extra verified token). The output never depends on k: only the speed does.
+E(k) = 1 + p + ... + p^(k-1) tokens, and costs 1 + d + c*(k-1) decode steps (c: each extra
+verified token, a per-backend constant; d: the draft pass and the cycle's overhead).
+
+d depends on the pair (a 5-layer draft with a 49K-vocabulary head is a large share of a 135M
+target, a small one of an 8B), so it is measured while generating: now and then a cycle runs
+as a plain decode step (window 1: no draft, the target's next token only, never wasted work),
+which times a step; draft cycles are timed too, and d follows. When no window beats a plain
+step (rate < 1), "auto" keeps decoding plainly and drafts now and then to notice when the text
+turns predictable: after `probe_every` plain steps, a gap that doubles after every probe that
+does not pay (up to `max_probe_gap`) and resets when one does or has all its drafts accepted. The output never depends on any
+of this: only the speed does.
 """
 
 from __future__ import annotations
@@ -15,15 +24,20 @@ import os
 
 import mlx.core as mx
 
-# (c, d) per backend, in units of one decode step: measured on SmolLM2-135M fp32 + MKL (CPU,
-# M=16 / M=1 = 2.4) and on an 8B shape in bf16 (H200, M=16 / M=1 = 1.4-1.55).
+# Priors (c, d) per backend, in units of one decode step: c measured on SmolLM2-135M fp32 + MKL
+# (CPU, M=16 / M=1 = 2.4) and on an 8B shape in bf16 (H200, M=16 / M=1 = 1.4-1.55); d is a start
+# value that measurement replaces.
 DEFAULT_COSTS = {"cpu": (0.09, 0.2), "gpu": (0.035, 0.3)}
 
 
 class VerifyWindow:
-    """Chooses the verify window each cycle; `fixed` pins it (tests, the published method)."""
+    """Chooses the verify window each cycle; `fixed` pins it (tests, the published method).
 
-    def __init__(self, block_size: int, policy: str | int = "auto", decay: float = 0.9):
+    A fixed window of 1 is plain greedy decoding through the same loop (no draft pass).
+    """
+
+    def __init__(self, block_size: int, policy: str | int = "auto", decay: float = 0.9,
+                 probe_every: int = 8, max_probe_gap: int = 64, remeasure_every: int = 64):
         self.block_size = block_size
         if policy == "auto":
             self.fixed = None
@@ -31,20 +45,27 @@ class VerifyWindow:
             self.fixed = block_size
         else:
             k = int(policy)
-            if not 2 <= k <= block_size:
-                raise ValueError(f"verify window must be 2..{block_size}, 'auto' or 'full'; got {policy}")
+            if not 1 <= k <= block_size:
+                raise ValueError(f"verify window must be 1..{block_size}, 'auto' or 'full'; got {policy}")
             self.fixed = k
         self.decay = decay
+        self.probe_every = probe_every
+        self.max_probe_gap = max_probe_gap
+        self._probe_gap = probe_every
+        self.remeasure_every = remeasure_every
         self.successes, self.failures = 4.0, 1.0  # prior: p = 0.8
         self.c, self.d = _costs()
+        self.step_s: float | None = None  # measured seconds of a plain step (EMA)
+        self.cycles = 0
+        self._since_draft = 0  # plain cycles since the last draft cycle
+        self._since_step = 0  # draft cycles since the last timed plain step
 
     @property
     def p(self) -> float:
         return self.successes / (self.successes + self.failures)
 
-    def next(self) -> int:
-        if self.fixed is not None:
-            return self.fixed
+    def best(self) -> tuple[int, float]:
+        """The window k >= 2 with the highest expected tokens per decode-step time, and that rate."""
         p, best, best_rate = min(self.p, 0.999), 2, 0.0
         expected = 1.0
         for k in range(2, self.block_size + 1):
@@ -52,12 +73,38 @@ class VerifyWindow:
             rate = expected / (1.0 + self.d + self.c * (k - 1))
             if rate > best_rate:
                 best, best_rate = k, rate
-        return best
+        return best, best_rate
 
-    def observe(self, window: int, accepted: int) -> None:
-        """A cycle verified window-1 drafts and accepted the first `accepted` of them."""
+    def next(self) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        k, rate = self.best()
+        if self.cycles >= 2 and (self.step_s is None or self._since_step >= self.remeasure_every):
+            return 1  # time a plain step: early, then again as the context grows
+        if rate < 1.0 and self._since_draft < self._probe_gap:
+            return 1  # drafting does not pay at this acceptance: decode plainly for a while
+        return k
+
+    def observe(self, window: int, accepted: int, seconds: float | None = None) -> None:
+        """A cycle verified window-1 drafts, accepted the first `accepted`, and took `seconds`."""
+        self.cycles += 1
+        if window == 1:
+            self._since_draft += 1
+            self._since_step = 0
+            if seconds is not None and seconds > 0:
+                self.step_s = seconds if self.step_s is None else 0.7 * self.step_s + 0.3 * seconds
+            return
+        self._since_draft = 0
+        self._since_step += 1
         self.successes = self.successes * self.decay + accepted
         self.failures = self.failures * self.decay + (1 if accepted < window - 1 else 0)
+        if self.fixed is None and seconds is not None and self.step_s:
+            d = seconds / self.step_s - 1.0 - self.c * (window - 1)
+            self.d = 0.8 * self.d + 0.2 * min(max(d, 0.0), 8.0)
+        if accepted < window - 1 and self.best()[1] < 1.0:  # drafting does not pay: probe less often
+            self._probe_gap = min(self._probe_gap * 2, self.max_probe_gap)
+        else:  # it pays, or every verified draft was taken: look again soon
+            self._probe_gap = self.probe_every
 
 
 def _costs() -> tuple[float, float]:

@@ -53,11 +53,22 @@ def test_window_policy_tracks_acceptance():
 
     w = VerifyWindow(16, "auto")
     for _ in range(30):
-        w.observe(16, 15)  # everything accepted
+        w.observe(16, 15, 0.02)  # everything accepted, 20 ms a cycle
+    assert w.next() == 1  # no plain step timed yet: the next cycle times one
+    w.observe(1, 0, 0.01)  # a plain step: 10 ms
     assert w.next() == 16
-    for _ in range(30):
-        w.observe(w.next(), 0)  # nothing accepted
-    assert w.next() <= 3
+    windows = []
+    for _ in range(70):  # nothing accepted; a draft cycle costs three plain steps
+        k = w.next()
+        windows.append(k)
+        w.observe(k, 0, 0.01 if k == 1 else 0.03)
+    assert windows[0] == 16  # a long good streak is not forgotten at once ...
+    late = windows[30:]
+    assert late.count(1) >= 30  # ... but then drafting does not pay: mostly plain steps,
+    assert any(k > 1 for k in late) and max(late) < 16  # with a shorter probe every few
+    assert w.d > 1.0  # the measured draft cost replaced the prior
     assert VerifyWindow(16, "full").next() == 16 and VerifyWindow(16, 4).next() == 4
-    with pytest.raises(ValueError):
-        VerifyWindow(16, 1)
+    assert VerifyWindow(16, 1).next() == 1
+    for bad in (0, 17):
+        with pytest.raises(ValueError):
+            VerifyWindow(16, bad)
