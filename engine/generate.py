@@ -110,7 +110,6 @@ def stream_dflash_generate(
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
 
     stats = GenerationStats(prompt_tokens=len(ids), block_size=drafter.block_size)
-    window = VerifyWindow(drafter.block_size, verify_window)
     stats.accept_histogram = [0] * drafter.block_size
     eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
     out = _Output(tokenizer, stop)
@@ -125,6 +124,7 @@ def stream_dflash_generate(
             stats.warnings.append(warning)
     rollback.check_supported(caches, target.layers)
     record_tape = rollback.needs_tape(caches)
+    window = VerifyWindow(drafter.block_size, verify_window, rollback.plain_step_undoable(caches))
     drafter.reset(positioned=positions is not None)
 
     session = None
@@ -144,12 +144,13 @@ def stream_dflash_generate(
     # position of the anchor; target caches hold everything before it
     pos = positions[-1] + 1 if positions is not None else len(ids)
     inflight: Verified | None = None
+    _NO_DRAFTS = mx.zeros((0,), mx.int32)
     reason = ""
     verified_tokens = 0
 
     def launch(anchor: mx.array, pos: int) -> Verified:
         k = window.next()  # 1: a plain decode step, no draft pass (see window.py)
-        drafts = drafter.propose(anchor, pos, k - 1) if k > 1 else mx.zeros((0,), mx.int32)
+        drafts = drafter.propose(anchor, pos, k - 1) if k > 1 else _NO_DRAFTS
         return verify(target, caches, anchor, drafts, record_tape)
 
     try:
@@ -163,13 +164,22 @@ def stream_dflash_generate(
                 out.reason = "cancelled"
                 break
             cyc, inflight = inflight, None
+            ahead = False
+            if cyc.block_len == 1 and window.next() == 1:
+                # A plain step keeps its one token, so the next plain step can be queued on that
+                # token while it is still on the device, before this one is read (as mlx-lm's
+                # decode loop does); if this token ends generation, `finally` undoes it.
+                drafter.add_context(cyc.features)
+                inflight = verify(target, caches, cyc.greedy[0], _NO_DRAFTS, record_tape)
+                ahead = True
             values = cyc.summary.tolist()  # the one host sync of the cycle
             now = time.perf_counter()
             cycle_s, t_sync = now - t_sync, now  # this cycle's whole cost, for the window policy
             accepted = values[0]
             n_keep = accepted + 1
             rollback.rewind(caches, target.layers, n_keep, cyc.block_len, cyc.tape)
-            drafter.add_context(cyc.features[:, :n_keep])
+            if not ahead:
+                drafter.add_context(cyc.features[:, :n_keep])
             stats.cycles += 1
             stats.plain_steps += cyc.block_len == 1
             stats.accepted_drafts += accepted
@@ -179,9 +189,8 @@ def stream_dflash_generate(
             new = values[1 : 1 + n_keep]
             done = out.push(new, [True] * accepted + [False], eos, max_tokens)
             pos += n_keep
-            if not done:
-                nxt = cyc.greedy[accepted]
-                inflight = launch(nxt, pos)
+            if not done and not ahead:
+                inflight = launch(cyc.greedy[accepted], pos)
             yield from out.drain()
             done = done or out.reason != ""
         reason = out.reason or "length"

@@ -65,6 +65,15 @@ def check_supported(caches: Sequence[Any], layers: Sequence[Any]) -> None:
             )
 
 
+def plain_step_undoable(caches: Sequence[Any]) -> bool:
+    """Whether a one-token verify (a plain step) can be rewound in every cache.
+
+    A rotating (sliding-window) cache writes a single token in place into its ring, over the
+    oldest row: that row is gone, so such targets never run plain steps (window >= 2).
+    """
+    return not any(isinstance(c, RotatingKVCache) for c in caches)
+
+
 def needs_tape(caches: Sequence[Any]) -> bool:
     return any(isinstance(c, ArraysCache) for c in caches)
 

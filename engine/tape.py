@@ -37,6 +37,8 @@ class TapeEntry:
         n_keep = self.conv_input.shape[1] - self.args[0].shape[1]
         conv_state = mx.contiguous(self.conv_input[:, n : n + n_keep, :])
         q, k, v, a, b, a_log, dt_bias, state = self.args[:8]
+        if n == 0:  # nothing kept (a queued cycle undone): the state the block started from
+            return conv_state, state
         cut = lambda x: x[:, :n]  # noqa: E731
         _, new_state = self.recurrence(
             cut(q), cut(k), cut(v), cut(a), cut(b), a_log, dt_bias, state, None, **self.kwargs

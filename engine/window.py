@@ -33,12 +33,15 @@ DEFAULT_COSTS = {"cpu": (0.09, 0.2), "gpu": (0.035, 0.3)}
 class VerifyWindow:
     """Chooses the verify window each cycle; `fixed` pins it (tests, the published method).
 
-    A fixed window of 1 is plain greedy decoding through the same loop (no draft pass).
+    A fixed window of 1 is plain greedy decoding through the same loop (no draft pass);
+    `allow_plain=False` (targets whose caches cannot undo one token) keeps every window >= 2.
     """
 
-    def __init__(self, block_size: int, policy: str | int = "auto", decay: float = 0.9,
-                 probe_every: int = 8, max_probe_gap: int = 64, remeasure_every: int = 64):
+    def __init__(self, block_size: int, policy: str | int = "auto", allow_plain: bool = True,
+                 decay: float = 0.9, probe_every: int = 8, max_probe_gap: int = 64,
+                 remeasure_every: int = 64):
         self.block_size = block_size
+        self.allow_plain = allow_plain
         if policy == "auto":
             self.fixed = None
         elif policy == "full":
@@ -47,6 +50,9 @@ class VerifyWindow:
             k = int(policy)
             if not 1 <= k <= block_size:
                 raise ValueError(f"verify window must be 1..{block_size}, 'auto' or 'full'; got {policy}")
+            if k == 1 and not allow_plain:
+                raise ValueError("verify window 1 (plain steps) is not available for this target: "
+                                 "its sliding-window cache cannot undo a single token; use 2 or more")
             self.fixed = k
         self.decay = decay
         self.probe_every = probe_every
@@ -79,6 +85,8 @@ class VerifyWindow:
         if self.fixed is not None:
             return self.fixed
         k, rate = self.best()
+        if not self.allow_plain:
+            return k
         if self.cycles >= 2 and (self.step_s is None or self._since_step >= self.remeasure_every):
             return 1  # time a plain step: early, then again as the context grows
         if rate < 1.0 and self._since_draft < self._probe_gap:

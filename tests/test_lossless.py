@@ -79,3 +79,13 @@ def test_last_only_logits_equal_full_forward(pairs, arch):
     last, f2 = pair.target.forward(ids, pair.target.make_cache(), last_only=True)
     assert last.shape[1] == 1
     assert mx.array_equal(full[:, -1:], last) and mx.array_equal(f1, f2)
+
+
+def test_plain_steps_refused_for_sliding_window_targets(pairs):
+    """A ring write of one token cannot be undone: such targets keep every verify window >= 2."""
+    pair = pairs("gemma3_text")
+    ids = pair.tokenizer.encode(PROMPTS[0])
+    with pytest.raises(ValueError, match="sliding-window"):
+        run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, 8, verify_window=1)
+    final, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, N_NEW, verify_window="auto")
+    assert final.stats.plain_steps == 0
