@@ -142,10 +142,15 @@ class PrefixCache:
         self._spill(self.l1.put(key, L1Entry(n, snap, snap.nbytes, in_l2)))
 
     # --- housekeeping ----------------------------------------------------------------------
+    def wait_writes(self, timeout: float | None = None) -> bool:
+        """Wait (up to `timeout` s) until every queued L2 write is on its way to the cache process."""
+        q = self._writes
+        with q.all_tasks_done:
+            return q.all_tasks_done.wait_for(lambda: q.unfinished_tasks == 0, timeout)
+
     def flush(self) -> bool:
         """Wait until the cache process has handled every write queued so far (a round trip)."""
-        if self._writer is not None:
-            self._writes.join()
+        self.wait_writes()
         return self.l2 is not None and self.l2.ping()
 
     def drop_l1(self) -> None:

@@ -127,6 +127,11 @@ class Compute:
                 final = ev
             elif job.stream and (ev.text or ev.token_ids):
                 self._emit(job, P.Delta(job_id=job.job_id, text=ev.text, token_ids=ev.token_ids, from_draft=ev.from_draft))
+        if self.prefix_cache is not None:
+            # Snapshots go to L2 on a writer thread; a job is reported done only once its own
+            # are on their way (usually long since: they are encoded while decoding), so they
+            # survive a worker that dies right after.
+            self.prefix_cache.wait_writes(timeout=10.0)
         stats = final.stats.to_dict()
         reason = job.cancel_reason or stats.get("finish_reason", "")
         stats["finish_reason"] = reason
