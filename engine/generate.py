@@ -144,13 +144,14 @@ def stream_dflash_generate(
     # position of the anchor; target caches hold everything before it
     pos = positions[-1] + 1 if positions is not None else len(ids)
     inflight: Verified | None = None
-    _NO_DRAFTS = mx.zeros((0,), mx.int32)
     reason = ""
     verified_tokens = 0
 
+    no_drafts = mx.zeros((0,), mx.int32)  # a plain step verifies the anchor alone
+
     def launch(anchor: mx.array, pos: int) -> Verified:
         k = window.next()  # 1: a plain decode step, no draft pass (see window.py)
-        drafts = drafter.propose(anchor, pos, k - 1) if k > 1 else _NO_DRAFTS
+        drafts = drafter.propose(anchor, pos, k - 1) if k > 1 else no_drafts
         return verify(target, caches, anchor, drafts, record_tape)
 
     try:
@@ -170,7 +171,7 @@ def stream_dflash_generate(
                 # token while it is still on the device, before this one is read (as mlx-lm's
                 # decode loop does); if this token ends generation, `finally` undoes it.
                 drafter.add_context(cyc.features)
-                inflight = verify(target, caches, cyc.greedy[0], _NO_DRAFTS, record_tape)
+                inflight = verify(target, caches, cyc.greedy[0], no_drafts, record_tape)
                 ahead = True
             values = cyc.summary.tolist()  # the one host sync of the cycle
             now = time.perf_counter()

@@ -326,13 +326,14 @@ def derive_prompts(
     mx.random.seed(seed + 7)
     rng = random.Random(seed + 7)
     head = user_turn_head(tokenizer)
+    opening = {s: list(tokenizer.encode(head + s, add_special_tokens=False)) for s in _STARTERS}
     stops = sorted(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
     seen: set[str] = set()
     out: list[tuple[str, str]] = []
     t0, attempts = time.perf_counter(), 0
     while len(out) < n and attempts < 4 * n:
         starters = [rng.choice(_STARTERS) for _ in range(batch_size)]
-        ids = [list(tokenizer.encode(head + s, add_special_tokens=False)) for s in starters]
+        ids = [opening[s] for s in starters]
         attempts += batch_size
         for s, resp in zip(starters, batch_generate(model, ids, max_tokens, stops, temperature, top_k)):
             if not resp or resp[-1] not in stops:

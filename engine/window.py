@@ -14,8 +14,8 @@ as a plain decode step (window 1: no draft, the target's next token only, never 
 which times a step; draft cycles are timed too, and d follows. When no window beats a plain
 step (rate < 1), "auto" keeps decoding plainly and drafts now and then to notice when the text
 turns predictable: after `probe_every` plain steps, a gap that doubles after every probe that
-does not pay (up to `max_probe_gap`) and resets when one does or has all its drafts accepted. The output never depends on any
-of this: only the speed does.
+does not pay (up to `max_probe_gap`) and resets when one does or has all its drafts accepted.
+The output never depends on any of this: only the speed does.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ class VerifyWindow:
         self.cycles = 0
         self._since_draft = 0  # plain cycles since the last draft cycle
         self._since_step = 0  # draft cycles since the last timed plain step
+        self._best = self.best()  # changes only when a draft cycle is observed
 
     @property
     def p(self) -> float:
@@ -84,7 +85,7 @@ class VerifyWindow:
     def next(self) -> int:
         if self.fixed is not None:
             return self.fixed
-        k, rate = self.best()
+        k, rate = self._best
         if not self.allow_plain:
             return k
         if self.cycles >= 2 and (self.step_s is None or self._since_step >= self.remeasure_every):
@@ -109,7 +110,8 @@ class VerifyWindow:
         if self.fixed is None and seconds is not None and self.step_s:
             d = seconds / self.step_s - 1.0 - self.c * (window - 1)
             self.d = 0.8 * self.d + 0.2 * min(max(d, 0.0), 8.0)
-        if accepted < window - 1 and self.best()[1] < 1.0:  # drafting does not pay: probe less often
+        self._best = self.best()
+        if accepted < window - 1 and self._best[1] < 1.0:  # drafting does not pay: probe less often
             self._probe_gap = min(self._probe_gap * 2, self.max_probe_gap)
         else:  # it pays, or every verified draft was taken: look again soon
             self._probe_gap = self.probe_every
