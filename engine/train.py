@@ -260,16 +260,10 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
     data_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     prompts = td.load_prompt_file(opts.prompts) if opts.prompts else td.builtin_prompts(opts.num_prompts, opts.seed)
-    n_derived = 0
-    if opts.derive_prompts:
-        derived_file = data_dir / "derived_prompts.jsonl"
-        derived = td.load_prompt_file(derived_file) if derived_file.is_file() else []
-        if len(derived) < opts.derive_prompts:
-            derived = td.derive_prompts(model, tokenizer, opts.derive_prompts, opts.seed,
-                                        opts.gen_batch_size, log=log)
-            derived_file.write_text("".join(json.dumps({"kind": k, "prompt": p}) + "\n" for k, p in derived))
-        n_derived = len(derived[: opts.derive_prompts])
-        prompts = prompts + derived[: opts.derive_prompts]
+    derived = td.cached_derived_prompts(model, tokenizer, opts.derive_prompts, data_dir / "derived_prompts.jsonl",
+                                        opts.seed, opts.gen_batch_size, log)
+    n_derived = len(derived)
+    prompts = prompts + derived
     splits = td.split_heldout(prompts, opts.heldout_per_kind, opts.seed)
     train_prompts = [p for p, s in zip(prompts, splits) if s == "train"]
     heldout = [td.Sample(k, p, td.chat_ids(tokenizer, p), [], "heldout")

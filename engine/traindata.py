@@ -348,6 +348,20 @@ def derive_prompts(
     return out[:n]
 
 
+def cached_derived_prompts(
+    model: Any, tokenizer: Any, n: int, path: Path, seed: int = 0, batch_size: int = 256,
+    log: Log = print,
+) -> list[tuple[str, str]]:
+    """`derive_prompts`, kept in `path` (JSONL, the prompt-file format) so a rerun reuses them."""
+    if n <= 0:
+        return []
+    derived = load_prompt_file(path) if path.is_file() else []
+    if len(derived) < n:
+        derived = derive_prompts(model, tokenizer, n, seed, batch_size, log=log)
+        path.write_text("".join(json.dumps({"kind": k, "prompt": p}) + "\n" for k, p in derived))
+    return derived[:n]
+
+
 def generate_responses(
     model: Any,
     tokenizer: Any,
