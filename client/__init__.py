@@ -10,6 +10,7 @@ from .errors import (
     DFlashError,
     JobFailedError,
     NotFoundError,
+    ProtocolVersionError,
     WorkerGoneError,
     WorkerUnavailableError,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "JobFailedError",
     "JobHandle",
     "NotFoundError",
+    "ProtocolVersionError",
     "Result",
     "Stream",
     "WorkerGoneError",

@@ -15,7 +15,7 @@ from dflash.daemon import protocol as P
 from dflash.daemon.config import DaemonConfig
 
 from . import errors as E
-from .client import Delta, Result, client_config, make_submit, setup_curve
+from .client import Delta, Result, client_config, make_submit, reply_error, setup_curve
 
 
 class AsyncDFlashClient:
@@ -44,7 +44,7 @@ class AsyncDFlashClient:
         try:
             return codec.decode_reply(frame)
         except P.ProtocolError as e:  # a peer speaking another protocol version, or garbage
-            raise E.DFlashError(e.code, f"bad reply from {self.endpoint}: {e.message}") from None
+            raise reply_error(e, self.endpoint) from None
 
     async def _exchange(self, sock: zmq.asyncio.Socket, msg: Any, timeout: float | None) -> P.Reply:
         msg.rid = next(self._rids)

@@ -7,6 +7,7 @@ Exit codes: 0 done, 1 the job failed, 2 usage or bad request, 3 no worker / work
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import click
@@ -20,6 +21,29 @@ EXIT = {E.BusyError: 4, E.BadRequestError: 2, E.WorkerUnavailableError: 3, E.Wor
 def _fail(e: E.DFlashError) -> None:
     click.echo(f"dflash-client: {e}", err=True)
     sys.exit(EXIT.get(type(e), 1))
+
+
+def _finite(ctx, param, value):
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number")
+    return value
+
+
+def sampling_options(f):
+    """--temperature / --top-p / --top-k / --seed, range-checked (None: not given)."""
+    opts = [
+        click.option("--temperature", "-t", type=click.FloatRange(min=0), default=None, callback=_finite,
+                     help="Sampling temperature; 0 = greedy. [default: the daemon's, normally 0]"),
+        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
+                     help="Nucleus sampling: keep the smallest set of tokens with this mass; 1 = off."),
+        click.option("--top-k", type=click.IntRange(min=0), default=None,
+                     help="Keep the k most likely tokens; 0 = off."),
+        click.option("--seed", type=click.IntRange(0, (1 << 64) - 1), default=None,
+                     help="Random seed; default: a random one (in the stats). The same seed repeats the same ids when the daemon's verify_window is fixed."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -46,15 +70,19 @@ def main(ctx, endpoint, config_path, timeout):
               help="Sparse prefill: prompt token indices, e.g. '0-63,128-255,300'.")
 @click.option("--positions-name", default=None, help="Sparse prefill with a stored position list.")
 @click.option("--stats", "show_stats", is_flag=True, help="Print the job's stats line on stderr.")
+@sampling_options
 @click.pass_obj
 def prompt(client: DFlashClient, text, max_tokens, system, stop, priority, raw, as_json, cache, positions_text,
-           positions_name, show_stats):
-    """Generate from TEXT (stdin when omitted), streaming to stdout. Ctrl-C cancels the job."""
+           positions_name, show_stats, temperature, top_p, top_k, seed):
+    """Generate from TEXT (stdin when omitted), streaming to stdout. Ctrl-C cancels the job.
+
+    Sampling flags left out take the daemon's defaults (greedy unless its config says otherwise)."""
     if text is None:
         text = sys.stdin.read()
     positions = _parse_positions(positions_text) if positions_text else None
     stream = client.stream(text, max_tokens=max_tokens, system=system, stop=stop, priority=priority, raw=raw,
-                           cache=cache, positions=positions, positions_name=positions_name)
+                           cache=cache, positions=positions, positions_name=positions_name,
+                           temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     try:
         for delta in stream:
             if not as_json:

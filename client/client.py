@@ -10,6 +10,7 @@ raises WorkerGoneError, so a dead worker is noticed within seconds.
 from __future__ import annotations
 
 import itertools
+import operator
 import os
 import threading
 import time
@@ -63,16 +64,31 @@ def make_submit(
     positions: Sequence[int] | None = None,
     positions_name: str | None = None,
     template_args: dict | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
 ) -> P.Submit:
     """A Submit from a text prompt, a list of chat messages, or a list of token ids.
 
     cache: "use" (default), "bypass" or "refresh"; positions / positions_name: sparse prefill of
-    those indices of the prompt's token ids (a list given here, or one stored by name)."""
+    those indices of the prompt's token ids (a list given here, or one stored by name).
+    temperature (0 = greedy), top_p (1 = off), top_k (0 = off), seed (0..2^64-1): sampling; None
+    leaves each to the daemon's configured default (greedy unless its config says otherwise).
+    Out-of-range values are a BadRequestError (code bad_sampling), as the worker would answer."""
     sub = P.Submit(system=system, raw=raw, max_tokens=max_tokens, stop=list(stop), priority=priority,
                    stream=stream, timeout_s=timeout_s, job_id=job_id or uuid.uuid4().hex, cache=cache,
                    positions=None if positions is None else [int(p) for p in positions],
                    positions_name=positions_name)
     sub.template_args = template_args  # chat template keyword arguments (e.g. enable_thinking)
+    sub.temperature = None if temperature is None else float(temperature)
+    sub.top_p = None if top_p is None else float(top_p)
+    sub.top_k = None if top_k is None else operator.index(top_k)  # 2.5 is a TypeError, not 2
+    sub.seed = None if seed is None else operator.index(seed)
+    try:  # the worker's own rules, checked here too: a seed of 2**64 cannot even be encoded
+        P.check_sampling(sub.temperature, sub.top_p, sub.top_k, sub.seed)
+    except P.ProtocolError as e:
+        raise E.BadRequestError(e.code, e.message) from None
     if isinstance(prompt, str):
         sub.text = prompt
     elif isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) for t in prompt):
@@ -82,6 +98,13 @@ def make_submit(
     else:
         raise TypeError("prompt must be text, a list of chat messages (dicts) or a list of token ids")
     return sub
+
+
+def reply_error(e: P.ProtocolError, endpoint: str) -> E.DFlashError:
+    """The typed error for a reply that could not be decoded (ProtocolVersionError when the
+    worker speaks another protocol version: its message names both)."""
+    cls = E.ProtocolVersionError if e.code == P.BAD_VERSION else E.DFlashError
+    return cls(e.code, f"bad reply from {endpoint}: {e.message}")
 
 
 def client_config(endpoint: str | None, config: DaemonConfig | str | None) -> tuple[str, DaemonConfig]:
@@ -141,7 +164,7 @@ class DFlashClient:
         try:
             return codec.decode_reply(frame)
         except P.ProtocolError as e:  # a peer speaking another protocol version, or garbage
-            raise E.DFlashError(e.code, f"bad reply from {self.endpoint}: {e.message}") from None
+            raise reply_error(e, self.endpoint) from None
 
     def _exchange(self, sock: zmq.Socket, msg: Any, timeout: float | None) -> P.Reply:
         """Send (and re-send every retry_interval) until a reply to this rid arrives."""
@@ -175,7 +198,8 @@ class DFlashClient:
         return Stream(self, make_submit(prompt, stream=True, **kw))
 
     def generate(self, prompt: Any, **kw: Any) -> Result:
-        """Run one job to completion and return its Result (streamed underneath)."""
+        """Run one job to completion and return its Result (streamed underneath). Keywords are
+        make_submit's: max_tokens, stop, system, temperature, top_p, top_k, seed, cache, ..."""
         with self.stream(prompt, **kw) as s:
             for _ in s:
                 pass

@@ -41,6 +41,11 @@ class WorkerGoneError(DFlashError):
     fetches its result."""
 
 
+class ProtocolVersionError(BadRequestError):
+    """The other side speaks another version of the wire protocol (the message names both):
+    the client and the daemon come from different dflash releases; upgrade the older one."""
+
+
 class CacheUnavailableError(DFlashError):
     """The cache process (which keeps position lists) did not answer; it restarts by itself."""
 
@@ -55,7 +60,8 @@ _BY_CODE = {
     P.BAD_FRAME: BadRequestError,
     P.TOO_LARGE: BadRequestError,
     P.UNKNOWN_OP: BadRequestError,
-    P.BAD_VERSION: BadRequestError,
+    P.BAD_VERSION: ProtocolVersionError,
+    P.BAD_SAMPLING: BadRequestError,
     P.NOT_FOUND: NotFoundError,
     P.BAD_POSITIONS: BadRequestError,
     P.SPARSE_WITH_CACHE: BadRequestError,

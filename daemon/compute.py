@@ -110,6 +110,9 @@ class Compute:
                 job.request_cancel("timeout")
             return job.cancel.is_set()
 
+        # Resolved when the job was accepted; a job persisted by a version-1 worker has none
+        # (greedy, as that version promised).
+        sampling = dict(req.get("sampling") or {})
         final = None
         for ev in stream_dflash_generate(
             self.pair.target,
@@ -121,6 +124,8 @@ class Compute:
             kv_bits=self.cfg.kv_bits,
             should_cancel=should_cancel,
             prefix_cache=caching.for_policy(self.prefix_cache, policy),
+            verify_window=self.cfg.verify_window,
+            **sampling,
             **sparse,
         ):
             if isinstance(ev, Finished):
@@ -135,6 +140,7 @@ class Compute:
         stats = final.stats.to_dict()
         reason = job.cancel_reason or stats.get("finish_reason", "")
         stats["finish_reason"] = reason
+        stats["sampling"] = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, **sampling}
         self.counters["tokens_generated"] += len(final.token_ids)
         done = P.Done(job_id=job.job_id, text=final.text, token_ids=final.token_ids, stats=stats, finish_reason=reason)
         return done, ("cancelled" if reason == "cancelled" else "done")

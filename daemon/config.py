@@ -1,8 +1,10 @@
 """dflashd configuration: defaults < config file (TOML) < DFLASH_* environment < command-line flags.
 
 One dataclass holds every setting; `load_config` applies the four layers in that order. The file
-is `--config PATH`, else $DFLASH_CONFIG, else ~/.config/dflash/config.toml (if present). Each
-field `name` can be set by the env var DFLASH_<NAME> (e.g. DFLASH_MAX_QUEUE=128).
+is `--config PATH`, else $DFLASH_CONFIG, else ~/.config/dflash/config.toml (if present): top-level
+keys or a [daemon] table, plus a [generation] table for the sampling defaults (temperature, top_p,
+top_k, seed) used when a request leaves them unset. Each field `name` can be set by the env var
+DFLASH_<NAME> (e.g. DFLASH_MAX_QUEUE=128, DFLASH_TEMPERATURE=0.7).
 """
 
 from __future__ import annotations
@@ -56,6 +58,14 @@ class DaemonConfig:
     l1_cache_entries: int = 64
     cache_dir: str = ""  # L2 store ("" = <state_dir>/cache)
     cache_every: int = 256  # snapshot interval (tokens) during prefill
+    # generation defaults for requests that leave them unset ([generation] in the TOML file)
+    temperature: float = 0.0  # 0 = greedy (the engine's lossless mode)
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 = off
+    seed: int | None = None  # None: each sampled job draws a random seed
+    # tokens per verify: auto (follows measured timings), full, or 1..block size; never changes
+    # greedy output, but a seed repeats its sampled ids only under a fixed window
+    verify_window: str = "auto"
     # platform
     blas: str = "auto"  # auto | mkl | none
     restart_backoff_s: float = 0.5
@@ -116,6 +126,13 @@ class DaemonConfig:
         for name in ("max_queue", "max_tokens_limit", "max_prompt_tokens", "max_frame_bytes", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.verify_window not in ("auto", "full") and not (self.verify_window.isdigit() and int(self.verify_window) >= 1):
+            raise ValueError(f"verify_window must be auto, full or a number of tokens >= 1, got {self.verify_window!r}")
+        from .protocol import sampling_problem
+
+        problem = sampling_problem(self.temperature, self.top_p, self.top_k, self.seed)
+        if problem is not None:
+            raise ValueError(f"[generation] {problem[1]}")
 
 
 def is_loopback(host: str) -> bool:
@@ -129,12 +146,13 @@ def is_loopback(host: str) -> bool:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(DaemonConfig)}
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "seed")  # the [generation] table
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:
     """A value of the field's type from TOML/JSON values or env strings."""
     default = _FIELDS[name].default
-    kind = type(default) if default is not None else (int if name == "kv_bits" else str)
+    kind = type(default) if default is not None else (int if name in ("kv_bits", "seed") else str)
     if value is None or (isinstance(value, str) and value == "" and default is None):
         return None
     try:
@@ -170,7 +188,13 @@ def load_config(
     if file is not None:
         with open(file, "rb") as fh:
             data = tomllib.load(fh)
-        cfg = _apply(cfg, data.get("daemon", data), str(file))
+        section = dict(data.get("daemon", data))
+        generation = data.get("generation", {})
+        section.pop("generation", None)
+        if not isinstance(generation, dict) or sorted(set(generation) - set(GENERATION_KEYS)):
+            bad = sorted(set(generation) - set(GENERATION_KEYS)) if isinstance(generation, dict) else generation
+            raise ValueError(f"{file}: [generation] takes only {', '.join(GENERATION_KEYS)}; got {bad!r}")
+        cfg = _apply(cfg, {**section, **generation}, str(file))
     from_env = {n: env[f"DFLASH_{n.upper()}"] for n in _FIELDS if f"DFLASH_{n.upper()}" in env}
     cfg = _apply(cfg, from_env, "environment")
     cfg = _apply(cfg, {k: v for k, v in (overrides or {}).items() if v is not None}, "flags")

@@ -37,7 +37,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Daemon error code -> (HTTP status, OpenAI error type).
 _STATUS = {
     P.BAD_REQUEST: (400, "invalid_request_error"), P.TOO_LARGE: (400, "invalid_request_error"),
-    P.BAD_FRAME: (400, "invalid_request_error"), P.NOT_FOUND: (404, "not_found_error"),
+    P.BAD_FRAME: (400, "invalid_request_error"), P.BAD_SAMPLING: (400, "invalid_request_error"),
+    P.NOT_FOUND: (404, "not_found_error"), P.BAD_VERSION: (502, "server_error"),
     P.BUSY: (429, "rate_limit_error"), P.NOT_READY: (503, "server_error"),
     P.SHUTTING_DOWN: (503, "server_error"), "unavailable": (503, "server_error"),
     "worker_gone": (503, "server_error"),
@@ -59,13 +60,18 @@ class Gateway:
 
     def __init__(self, endpoint: str, cfg: DaemonConfig, *, api_key: str | None = None,
                  max_body_bytes: int = 1 << 20, default_max_tokens: int = 512,
-                 sampling: str = "greedy", model_name: str | None = None):
+                 sampling: str = "apply", model_name: str | None = None,
+                 default_sampling: dict[str, Any] | None = None):
         self.client = AsyncDFlashClient(endpoint, config=cfg, timeout=30.0)
         self.control = AsyncDFlashClient(endpoint, config=cfg, timeout=2.0, retry_interval=1.0)
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.default_max_tokens = default_max_tokens
-        self.sampling = sampling  # "greedy": answer greedily and say so; "reject": 400
+        # "apply": sampling applied, unapplied fields (penalties...) ignored and listed in a header;
+        # "reject": those are a 400 instead; "greedy": every answer greedy, sampling fields listed.
+        self.sampling = sampling
+        # For requests that leave temperature / top_p / top_k out (None here: the daemon's default).
+        self.default_sampling = {k: v for k, v in (default_sampling or {}).items() if v is not None}
         self.model_name = model_name
         self.metrics = GatewayMetrics()
         self._models: tuple[float, list[dict]] | None = None
@@ -141,15 +147,13 @@ class Gateway:
         parse = S.parse_chat if kind == "chat" else S.parse_completion
         req = parse(body, self.default_max_tokens)
         model = await self._check_model(req.model)
-        if req.non_greedy and self.sampling == "reject":
-            raise S.bad(f"this server decodes greedily only; {', '.join(req.non_greedy)} must be left at the "
-                        "greedy value (temperature 0)", req.non_greedy[0], "unsupported_sampling")
+        sampling, ignored = self._sampling(req)
         job_id = uuid.uuid4().hex
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + job_id
-        headers = {"x-dflash-job-id": job_id, "x-dflash-sampling": "greedy"}
-        if req.non_greedy:
-            headers["x-dflash-sampling-ignored"] = ",".join(req.non_greedy)
-        kw: dict[str, Any] = dict(job_id=job_id, raw=req.raw, max_tokens=req.max_tokens, stop=req.stop)
+        headers = {"x-dflash-job-id": job_id}
+        if ignored:
+            headers["x-dflash-sampling-ignored"] = ",".join(ignored)
+        kw: dict[str, Any] = dict(job_id=job_id, raw=req.raw, max_tokens=req.max_tokens, stop=req.stop, **sampling)
         if req.template_args:
             kw["template_args"] = req.template_args
         events = self.client.stream(req.prompt, **kw)
@@ -165,6 +169,19 @@ class Gateway:
                 ev = await anext(events)
             self.metrics.job(ev.stats, ev.finish_reason)
             return web.json_response(S.response(*ctx, ev.text, ev.finish_reason, ev.stats, job_id), headers=headers)
+
+    def _sampling(self, req: S.GenRequest) -> tuple[dict[str, Any], list[str]]:
+        """The sampling to submit (request, else this gateway's defaults; what neither sets is
+        left to the daemon's config) and the fields that were sent but will not be applied."""
+        if self.sampling == "greedy":
+            asked = [k for k, on in (("temperature", (req.temperature or 0) > 0), ("top_p", (req.top_p or 1) < 1),
+                                     ("top_k", (req.top_k or 0) > 1)) if on]
+            return {"temperature": 0.0}, asked + req.unapplied
+        if req.unapplied and self.sampling == "reject":
+            raise S.bad(f"this server does not apply {', '.join(req.unapplied)}: leave them out or at their "
+                        "neutral values (temperature, top_p, top_k and seed are applied)", req.unapplied[0],
+                        "unsupported_sampling")
+        return {**self.default_sampling, **req.sampling()}, req.unapplied
 
     async def _sse(self, request: web.Request, req: S.GenRequest, ctx: tuple, first: Any, events: Any,
                    headers: dict, job_id: str) -> web.StreamResponse:
@@ -279,19 +296,30 @@ def _daemon_options(f: Any) -> Any:
 @click.option("--served-model-name", default=None, help="Model id in /v1/models (default: the model directory's name).")
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(1024), help="Request body cap.")
 @click.option("--default-max-tokens", default=512, show_default=True, type=click.IntRange(1), help="When a request sets none.")
-@click.option("--sampling", type=click.Choice(["greedy", "reject"]), default="greedy", show_default=True,
-              help="Requests asking for sampling (temperature > 0 ...): answer greedily with a header, or 400.")
+@click.option("--sampling", type=click.Choice(["apply", "reject", "greedy"]), default="apply", show_default=True,
+              help="apply: temperature/top_p/top_k/seed applied; fields that are not (penalties, min_p, logit_bias) "
+                   "ignored and listed in x-dflash-sampling-ignored. reject: those are a 400. greedy: every answer "
+                   "greedy, sampling fields listed in the header.")
+@click.option("--default-temperature", type=click.FloatRange(min=0), default=None,
+              help="For requests without a temperature (default: the daemon's [generation] temperature, normally 0).")
+@click.option("--default-top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
+              help="For requests without top_p (default: the daemon's, normally 1).")
+@click.option("--default-top-k", type=click.IntRange(min=0), default=None,
+              help="For requests without top_k (default: the daemon's, normally 0 = off).")
 @click.option("--attach", is_flag=True, help="Only attach to a running daemon; never start one.")
 @click.option("--stop-daemon", is_flag=True, help="Stop the daemon on exit if this command started it.")
 @click.option("--wait", "wait_s", default=120.0, show_default=True, help="Seconds to wait for a started daemon's model.")
 @click.pass_context
 def serve_command(ctx, config_path, host, port, api_key, served_model_name, max_body_bytes, default_max_tokens,
-                  sampling, attach, stop_daemon, wait_s, **flags):
+                  sampling, default_temperature, default_top_p, default_top_k, attach, stop_daemon, wait_s, **flags):
     """OpenAI-compatible HTTP API over dflashd (starts the daemon, or attaches to a running one)."""
     from . import cli as dcli
 
     if not is_loopback(host) and not api_key:
         raise click.ClickException(f"binding {host} (not loopback) needs --api-key (or DFLASH_API_KEY)")
+    problem = P.sampling_problem(default_temperature, default_top_p, default_top_k)
+    if problem is not None:
+        raise click.BadParameter(problem[1], param_hint=f"--default-{problem[0].replace('_', '-')}")
     cfg = dcli._resolve(config_path, **flags)
     started = False
     if dcli._stats(cfg, 1.0) is None:
@@ -301,7 +329,8 @@ def serve_command(ctx, config_path, host, port, api_key, served_model_name, max_
         started = True
     logging.basicConfig(level=os.environ.get("DFLASH_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(message)s")
     gw = Gateway(cfg.resolved_endpoint(), cfg, api_key=api_key, max_body_bytes=max_body_bytes,
-                 default_max_tokens=default_max_tokens, sampling=sampling, model_name=served_model_name)
+                 default_max_tokens=default_max_tokens, sampling=sampling, model_name=served_model_name,
+                 default_sampling={"temperature": default_temperature, "top_p": default_top_p, "top_k": default_top_k})
 
     def ready(url: str) -> None:
         click.echo(f"dflash serve: listening on {url} (daemon at {cfg.resolved_endpoint()})", err=False)

@@ -11,22 +11,24 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-# Fields that ask for something other than greedy decoding when they have these values. The
-# engine is greedy-only: such a request is answered greedily and says so (or refused, by policy).
-_NON_GREEDY: dict[str, Callable[[float], bool]] = {
-    "temperature": lambda v: v > 0,
-    "top_p": lambda v: v < 1,
-    "top_k": lambda v: v > 1,  # 0 and -1 mean "off"; 1 is greedy
+from . import protocol as P
+
+# Sampling the engine applies (top_k is vLLM's extra field). Absent or null: the server default.
+SAMPLING = ("temperature", "top_p", "top_k", "seed")
+# Sampling fields the engine does not apply, with the test for "asks for something": at any other
+# (neutral) value they are fine; otherwise the answer is made without them and says so (the
+# x-dflash-sampling-ignored header), or, with --sampling reject, the request is refused.
+_UNAPPLIED: dict[str, Callable[[float], bool]] = {
     "min_p": lambda v: v > 0,
     "presence_penalty": lambda v: v != 0,
     "frequency_penalty": lambda v: v != 0,
     "repetition_penalty": lambda v: v != 1,
 }
-# Accepted and ignored: they do not change a greedy answer (seed), or only label the request.
-_IGNORED = {"user", "seed", "metadata", "store", "service_tier", "parallel_tool_calls", "tool_choice",
+# Accepted without effect (labels, or neutral values); the others are refused in _check_unsupported.
+_IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "tool_choice",
             "top_logprobs", "logit_bias", "logprobs", "n", "tools", "response_format", "echo", "best_of",
             "suffix", "functions", "function_call"}
-_COMMON = {"model", "stream", "stream_options", "stop", "max_tokens"} | set(_NON_GREEDY) | _IGNORED
+_COMMON = {"model", "stream", "stream_options", "stop", "max_tokens"} | set(SAMPLING) | set(_UNAPPLIED) | _IGNORED
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"}
 _COMPLETION_FIELDS = _COMMON | {"prompt"}
 # Keyword arguments of apply_chat_template that a request must not override.
@@ -67,7 +69,16 @@ class GenRequest:
     include_usage: bool = False
     model: str | None = None
     template_args: dict | None = None
-    non_greedy: list[str] = field(default_factory=list)  # sampling fields answered greedily
+    # sampling sent to the daemon (None: absent, the server's default applies)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    unapplied: list[str] = field(default_factory=list)  # sampling fields asking for what is not applied
+
+    def sampling(self) -> dict[str, Any]:
+        """The sampling fields the request set (absent ones are left out)."""
+        return {k: getattr(self, k) for k in SAMPLING if getattr(self, k) is not None}
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -126,14 +137,15 @@ def _common(body: dict, kind: str, prompt: Any, raw: bool) -> GenRequest:
     if body.get("max_tokens") is not None:
         req.max_tokens = _positive_int(body["max_tokens"], "max_tokens")
     _check_unsupported(body)
-    req.non_greedy = _non_greedy(body)
+    _sampling(body, req)
+    req.unapplied = _unapplied(body)
     return req
 
 
 def _check_unsupported(body: dict) -> None:
     """Fields we accept only at values that need nothing the engine lacks."""
     if body.get("n") not in (None, 1):
-        raise bad("only n=1 is supported (decoding is greedy: every choice would be the same)", "n", "unsupported_parameter")
+        raise bad("only n=1 is supported: send one request per choice (with different seeds)", "n", "unsupported_parameter")
     if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
         raise bad("logprobs are not supported by this server", "logprobs", "unsupported_parameter")
     if body.get("tools") or body.get("functions") or body.get("function_call") not in (None, "none"):
@@ -145,10 +157,35 @@ def _check_unsupported(body: dict) -> None:
         raise bad("only response_format {\"type\": \"text\"} is supported", "response_format", "unsupported_parameter")
 
 
-def _non_greedy(body: dict) -> list[str]:
-    """Names of the sampling fields whose values ask for something other than greedy decoding."""
+def _sampling(body: dict, req: GenRequest) -> None:
+    """temperature, top_p, top_k (-1 = off, as in vLLM) and seed onto the request, range-checked
+    by the daemon's own rules (so a bad value is a 400 naming its field, not a failed job)."""
+    for name in SAMPLING:
+        v = body.get(name)
+        if v is None:
+            continue
+        if name in ("top_k", "seed"):
+            if isinstance(v, float) and v.is_integer():
+                v = int(v)  # some clients send 40.0
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise bad(f"'{name}' must be an integer", name, "invalid_type")
+            if name == "top_k" and v == -1:
+                v = 0
+        elif isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise bad(f"'{name}' must be a number", name, "invalid_type")
+        setattr(req, name, float(v) if name in ("temperature", "top_p") else v)
+    problem = P.sampling_problem(req.temperature, req.top_p, req.top_k, req.seed)
+    if problem is not None:
+        field_name, message = problem
+        if field_name == "top_k":
+            message += "; -1 also means off"
+        raise bad(message, field_name)
+
+
+def _unapplied(body: dict) -> list[str]:
+    """Names of the sampling fields whose values ask for something the engine does not apply."""
     out = []
-    for name, differs in _NON_GREEDY.items():
+    for name, differs in _UNAPPLIED.items():
         v = body.get(name)
         if v is None:
             continue
@@ -242,9 +279,10 @@ def usage(stats: dict) -> dict[str, Any]:
 
 
 def engine_facts(job_id: str, stats: dict) -> dict[str, Any]:
-    """The `dflash` extension field: the job and the engine's speculative-decoding numbers."""
+    """The `dflash` extension field: the job, the sampling the worker applied (temperature, top_p,
+    top_k, seed: the one drawn when none was given) and the speculative-decoding numbers."""
     keys = ("acceptance", "tokens_per_cycle", "cycles", "accepted_drafts", "ttft_s", "prefill_tps", "decode_tps")
-    return {"job_id": job_id, "sampling": "greedy", **{k: stats.get(k) for k in keys}}
+    return {"job_id": job_id, "sampling": stats.get("sampling"), **{k: stats.get(k) for k in keys}}
 
 
 def response(kind: str, rid: str, created: int, model: str, text: str, reason: str, stats: dict, job_id: str) -> dict:

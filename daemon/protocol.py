@@ -5,17 +5,27 @@ type>} plus the struct's fields. Field order is the schema: fields are only ever
 new field must have a default so older peers keep working. `parse_request` turns a decoded map
 into a request struct or raises ProtocolError with a machine-readable code; nothing a client
 sends can make it raise anything else.
+
+Versions: 1 (the first); 2 appends temperature, top_p, top_k and seed to `submit` and adds the
+`bad_sampling` code. A message of another version is refused with `bad_version`, naming both
+versions (`version_error`); the `error`, `done` and `status` layouts are unchanged since 1, so
+an error answering a version-1 request is stamped `"v": 1` and an old client reads it as the
+typed error it is, instead of failing to decode it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
-VERSION = 1
+VERSION = 2
+# Older versions whose error replies share this version's layout: an error answering a request of
+# one of these is stamped with the request's version, so that peer can decode it.
+OLDER_VERSIONS = (1,)
 
 # Error codes (replies of type "error"); clients map them to exception classes.
 BAD_FRAME = "bad_frame"  # not one frame, not msgpack, not a map
@@ -34,17 +44,62 @@ INTERNAL = "internal"
 BAD_POSITIONS = "bad_positions"  # sparse positions out of order, out of range, or empty
 SPARSE_WITH_CACHE = "sparse_with_cache"  # sparse prefill asked to use/refresh the prefix cache
 CACHE_UNAVAILABLE = "cache_unavailable"  # the cache process (position lists) is not reachable
+BAD_SAMPLING = "bad_sampling"  # temperature / top_p / top_k / seed out of range (v2)
 
 CACHE_POLICIES = ("use", "bypass", "refresh")
 
 
-class ProtocolError(Exception):
-    """A request that cannot be served; becomes an `Error` reply with this code."""
+SEED_MAX = (1 << 64) - 1  # seeds are unsigned 64-bit (MLX's PRNG key)
 
-    def __init__(self, code: str, message: str):
+
+class ProtocolError(Exception):
+    """A request that cannot be served; becomes an `Error` reply with this code. `peer_version`:
+    the version a `bad_version` message spoke (None otherwise); `param`: the offending field."""
+
+    def __init__(self, code: str, message: str, *, peer_version: Any = None, param: str | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.peer_version = peer_version
+        self.param = param
+
+
+def version_error(peer: Any, what: str, me: str) -> ProtocolError:
+    """The `bad_version` error for a message (`what`) of version `peer`, naming both versions."""
+    hint = ("clients and the daemon must come from the same dflash release: upgrade the older one"
+            if isinstance(peer, int) and not isinstance(peer, bool) else "not a dflash protocol message")
+    return ProtocolError(BAD_VERSION, f"dflash protocol version mismatch: the {what} is version {peer!r}, "
+                         f"this {me} speaks version {VERSION} ({hint})", peer_version=peer)
+
+
+def sampling_problem(temperature: Any = None, top_p: Any = None, top_k: Any = None,
+                     seed: Any = None) -> tuple[str, str] | None:
+    """(field, message) for the first sampling value out of range, else None (None = unset).
+
+    temperature >= 0 (0 = greedy), 0 < top_p <= 1 (1 = off), top_k >= 0 (0 = off), seed in
+    0..2^64-1; the same rules as the engine's, checked here so a bad value never reaches a job."""
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    def integer(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if temperature is not None and not (number(temperature) and temperature >= 0):
+        return "temperature", f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}"
+    if top_p is not None and not (number(top_p) and 0 < top_p <= 1):
+        return "top_p", f"top_p must be in (0, 1] (1 = off), got {top_p!r}"
+    if top_k is not None and not (integer(top_k) and top_k >= 0):
+        return "top_k", f"top_k must be an integer >= 0 (0 = off), got {top_k!r}"
+    if seed is not None and not (integer(seed) and 0 <= seed <= SEED_MAX):
+        return "seed", f"seed must be an integer in 0..2^64-1, got {seed!r}"
+    return None
+
+
+def check_sampling(temperature: Any = None, top_p: Any = None, top_k: Any = None, seed: Any = None) -> None:
+    """Raise ProtocolError(BAD_SAMPLING, param=the field) for a value out of range."""
+    problem = sampling_problem(temperature, top_p, top_k, seed)
+    if problem is not None:
+        raise ProtocolError(BAD_SAMPLING, problem[1], param=problem[0])
 
 
 # ----------------------------------------------------------------------------- requests
@@ -71,6 +126,11 @@ class Submit:
     positions: list[int] | None = None  # sparse prefill: indices into the prompt's token ids
     positions_name: str | None = None  # sparse prefill with a stored position list
     template_args: dict | None = None  # chat template keyword arguments (e.g. enable_thinking)
+    # v2, sampling (None: the daemon's configured default; its defaults are greedy)
+    temperature: float | None = None  # 0 = greedy
+    top_p: float | None = None  # nucleus mass in (0, 1]; 1 = off
+    top_k: int | None = None  # keep the k most likely tokens; 0 = off
+    seed: int | None = None  # 0..2^64-1; None = a random seed (reported in done.stats.sampling)
 
 
 @dataclass
@@ -234,9 +294,10 @@ REPLIES: dict[str, type] = {c.type: c for c in (Accepted, Delta, Done, Error, St
 # ----------------------------------------------------------------------------- (de)structuring
 
 
-def to_map(msg: Any) -> dict[str, Any]:
-    """The wire map of a struct: version, op or type, then its fields in schema order."""
-    out: dict[str, Any] = {"v": VERSION}
+def to_map(msg: Any, version: int = VERSION) -> dict[str, Any]:
+    """The wire map of a struct: version, op or type, then its fields in schema order. `version`
+    other than VERSION only for an `error` to a peer of an older version (same layout)."""
+    out: dict[str, Any] = {"v": version}
     if hasattr(msg, "op"):
         out["op"] = msg.op
     else:
@@ -251,7 +312,7 @@ def parse_request(m: Any) -> Request:
     if not isinstance(m, dict):
         raise ProtocolError(BAD_FRAME, "a message must be a msgpack map")
     if m.get("v") != VERSION:
-        raise ProtocolError(BAD_VERSION, f"protocol version {m.get('v')!r} not supported (want {VERSION})")
+        raise version_error(m.get("v"), "request", "worker")
     op = m.get("op")
     cls = REQUESTS.get(op) if isinstance(op, str) else None
     if cls is None:
@@ -264,12 +325,20 @@ def parse_reply(m: Any) -> Reply:
     if not isinstance(m, dict):
         raise ProtocolError(BAD_FRAME, "a message must be a msgpack map")
     if m.get("v") != VERSION:
-        raise ProtocolError(BAD_VERSION, f"protocol version {m.get('v')!r} not supported (want {VERSION})")
+        raise version_error(m.get("v"), "reply", "client")
     kind = m.get("type")
     cls = REPLIES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ProtocolError(UNKNOWN_OP, f"unknown reply type {kind!r}")
     return _build(cls, m, ("v", "type"), strict=False)
+
+
+def current_result(m: dict) -> dict:
+    """A stored `done`/`error` map (a job's result, kept for the retention period) in this
+    version: one written by an older worker (same layout) is re-stamped, anything else kept."""
+    if isinstance(m, dict) and m.get("v") in OLDER_VERSIONS and m.get("type") in (Done.type, Error.type):
+        return {**m, "v": VERSION}
+    return m
 
 
 def _build(cls: type, m: dict, envelope: tuple[str, ...], strict: bool = True) -> Any:

@@ -18,6 +18,7 @@ import fcntl
 import logging
 import os
 import re
+import secrets
 import signal
 import sys
 import threading
@@ -206,7 +207,11 @@ class Worker:
         except P.ProtocolError as e:
             self.counters["bad_frames"] += 1
             rid = codec.peek_rid(frames[1]) if len(frames) == 2 and e.code != P.TOO_LARGE else 0
-            self._send(router, ident, P.Error(rid=rid, code=e.code, message=e.message))
+            err = P.Error(rid=rid, code=e.code, message=e.message)
+            # An older client can only decode a reply of its own version: the error layout is
+            # the same in every version, so it gets the mismatch as a typed error it can read.
+            old = e.peer_version if type(e.peer_version) is int and e.peer_version in P.OLDER_VERSIONS else None
+            self._send(router, ident, err if old is None else P.to_map(err, version=old))
             return
         try:
             reply = self._dispatch(ident, req)
@@ -249,7 +254,7 @@ class Worker:
             if self.jobs.get(job_id) is not None and req.stream:
                 self.watchers[job_id] = (ident, req.rid)
             elif req.stream and (res := self.store.result(job_id)) is not None:
-                self.compute.events.put((job_id, P.parse_reply(res)))
+                self.compute.events.put((job_id, P.parse_reply(P.current_result(res))))
                 self.watchers[job_id] = (ident, req.rid)
             return P.Accepted(job_id=job_id, position=max(self.jobs.position(job_id), 0))
         if self.jobs.queued_count() >= self.cfg.max_queue:
@@ -262,12 +267,26 @@ class Worker:
             request["positions"] = self._named_positions(req)
         if req.template_args:  # chat template keyword arguments (gateway: chat_template_kwargs)
             request["template_args"] = req.template_args
+        request["sampling"] = self._sampling(req)
         job = Job(job_id, self.store.next_seq(), request, req.priority, req.stream, 0, limit)
         self.store.save(job)  # durable before the client hears "accepted"
         if req.stream:
             self.watchers[job_id] = (ident, req.rid)
         position = self.jobs.push(job, force=True)
         return P.Accepted(job_id=job_id, position=position)
+
+    def _sampling(self, req: P.Submit) -> dict[str, Any]:
+        """The job's sampling, resolved now (unset fields: the configured defaults) so the job is
+        self-contained: a sampled job without a seed gets a random one, so a re-run after a
+        crash repeats it and done.stats.sampling says how to reproduce it."""
+        cfg = self.cfg
+        out = {"temperature": float(cfg.temperature if req.temperature is None else req.temperature),
+               "top_p": float(cfg.top_p if req.top_p is None else req.top_p),
+               "top_k": int(cfg.top_k if req.top_k is None else req.top_k),
+               "seed": cfg.seed if req.seed is None else req.seed}
+        if out["temperature"] > 0 and out["seed"] is None:
+            out["seed"] = secrets.randbits(63)
+        return out
 
     def _validate(self, req: P.Submit) -> None:
         def bad(msg: str) -> P.ProtocolError:
@@ -299,6 +318,7 @@ class Worker:
             raise bad("timeout_s must be > 0")
         if req.job_id and not _JOB_ID.match(req.job_id):
             raise bad("job_id must be 1-64 characters of A-Z a-z 0-9 _ . -")
+        P.check_sampling(req.temperature, req.top_p, req.top_k, req.seed)
         self._validate_sparse(req)
 
     def _validate_sparse(self, req: P.Submit) -> None:
@@ -366,7 +386,7 @@ class Worker:
         res = self.store.result(job_id)
         if res is None:
             raise P.ProtocolError(P.NOT_FOUND, f"no job {job_id!r} (unknown, or its result expired)")
-        return P.Status(job_id=job_id, state=_result_state(res), result=res)
+        return P.Status(job_id=job_id, state=_result_state(res), result=P.current_result(res))
 
     def stats(self) -> dict[str, Any]:
         running = self.jobs.running
@@ -386,6 +406,8 @@ class Worker:
             "running": running.job_id if running else None,
             "max_queue": self.cfg.max_queue,
             "l2_cache": "up" if cache["l2_up"] else "down" if self.cfg.cache else "off",
+            "generation": {"temperature": self.cfg.temperature, "top_p": self.cfg.top_p, "top_k": self.cfg.top_k,
+                           "seed": self.cfg.seed, "verify_window": self.cfg.verify_window},
             **self.compute.counters,
             **self.counters,
             "cache": cache,

@@ -1,16 +1,28 @@
 """dflash.engine: DFlash block-diffusion speculative decoding on mlx-lm targets.
 
 The public API: `load_pair` to load a target and its draft, `stream_dflash_generate` to
-generate (greedy, lossless), and the event types it yields.
+generate (greedy, or sampling with temperature/top_p/top_k/seed; lossless either way), the
+event types it yields, and `SamplingParams` (checks sampling options up front).
+
+Importing it sets MLX_CUDA_USE_CUDNN_SDPA=0 unless the environment already has a value (see
+accel.py: MLX-CUDA's cuDNN attention builds a graph per shape, ~5x per new KV length). MLX reads
+the variable on its first GPU attention call: import dflash.engine before running any model, or
+export the variable yourself.
 """
 
-from .generate import Finished, GenerationStats, TokenDelta, stream_dflash_generate
-from .loading import Pair, load_pair
+from .accel import use_mlx_sdpa
+
+use_mlx_sdpa()  # before .generate imports mlx; a user's explicit value wins
+
+from .generate import Finished, GenerationStats, TokenDelta, stream_dflash_generate  # noqa: E402
+from .loading import Pair, load_pair  # noqa: E402
+from .sampling import SamplingParams  # noqa: E402
 
 __all__ = [
     "Finished",
     "GenerationStats",
     "Pair",
+    "SamplingParams",
     "TokenDelta",
     "load_pair",
     "stream_dflash_generate",

@@ -1,13 +1,19 @@
-"""`dflash benchmark`: DFlash against mlx-lm's own greedy decoding, side by side, in one process.
+"""`dflash benchmark`: DFlash against mlx-lm's own decoding, side by side, in one process.
 
 Why one process and this protocol: speed numbers from different processes, prompts or warm-up
-states are not comparable. For every context length both engines get the same prompt token ids,
-the same max_tokens and greedy decoding; a warm-up pair runs first (a fresh process pays kernel
-compilation on its first calls), then timed runs alternate baseline/DFlash with a cooldown sleep
-between them, and the summary takes medians. Every DFlash run's token ids are compared with the
-baseline run of the same repeat: losslessness is measured, not assumed.
+states are not comparable. For every context length both engines get prompts of (about) that
+length, the same max_tokens and the same sampling (greedy by default); warm-up runs come first (a
+fresh process pays kernel compilation on its first calls), then timed runs alternate
+baseline/DFlash with a cooldown sleep between them, and the summary takes medians (every run is
+in the JSON too).
 
-`--oracle` swaps the draft for `OracleDrafter` replaying the baseline's ids (every draft accepted):
+First-time lengths (default): every timed run decodes at (tokens, cache length) shapes this
+process never ran before (benchplan.py): per-shape caches, such as MLX-CUDA's cuDNN attention
+graphs, cannot flatter a run that re-decodes a visited length. Each run gets its own prompt
+length, chosen near the nominal context; a ledger of every target forward checks it, run by run.
+Losslessness is measured against a baseline run on the same prompt (untimed, after the timed ones).
+
+`--oracle` swaps the draft for `OracleDrafter` replaying a baseline run's ids (every draft accepted):
 the engine's ceiling, labelled as such everywhere. `--random-target SHAPE` builds a random-weight
 target of a named shape in memory, for speed-only numbers on machines without weights.
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import os
 import platform
@@ -32,8 +39,16 @@ from typing import Any, Callable, Sequence
 import click
 import mlx.core as mx
 
-from . import rollback
+from . import accel, rollback
 from . import tape as tape_mod
+from .benchplan import (
+    Planner,
+    ShapeLedger,
+    baseline_shapes,
+    dflash_shapes,
+    forward_timing_shapes,
+    oracle_shapes,
+)
 from .benchsetup import (
     DTYPES,
     RANDOM_SHAPES,
@@ -44,11 +59,14 @@ from .benchsetup import (
     make_drafter,
     prompt_ids,
 )
-from .drafters import Drafter
+from .drafters import DFlashDrafter, Drafter
 from .generate import Finished, stream_dflash_generate
 from .target import TargetModel
 
 Log = Callable[[str], None]
+FORWARD_WARMUP = 3  # untimed step/verify pairs before the timed ones in time_forward
+
+
 # --- one run of each engine ---------------------------------------------------------------------
 def _ids_hash(ids: Sequence[int]) -> str:
     return hashlib.sha1(json.dumps(list(ids)).encode()).hexdigest()[:16]
@@ -69,10 +87,47 @@ def _timing(n_prompt: int, ids: list[int], t0: float, t_first: float, t_end: flo
     }
 
 
-def run_baseline(setup: Setup, ids: list[int], max_tokens: int) -> tuple[list[int], dict]:
-    """mlx-lm's stream_generate, greedy (its default sampler is argmax), on the same model."""
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """The sampling of one run: greedy (temperature 0) or mlx-lm's make_sampler parameters."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def kwargs(self) -> dict[str, Any]:
+        """stream_dflash_generate's sampling keywords ({} when greedy: any engine version)."""
+        if self.greedy:
+            return {}
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                "seed": self.seed}
+
+
+GREEDY = Sampling()
+
+
+def dflash_supports_sampling() -> bool:
+    return "temperature" in inspect.signature(stream_dflash_generate).parameters
+
+
+def run_baseline(
+    setup: Setup, ids: list[int], max_tokens: int, sampling: Sampling = GREEDY
+) -> tuple[list[int], dict]:
+    """mlx-lm's stream_generate on the same model: greedy (its default sampler is argmax), or
+    `make_sampler(temperature, top_p=..., top_k=...)` with MLX's global seed set to `seed`."""
     from mlx_lm.generate import stream_generate
 
+    sampler = None
+    if not sampling.greedy:
+        from mlx_lm.sample_utils import make_sampler
+
+        sampler = make_sampler(sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+        mx.random.seed(sampling.seed or 0)
     eos = setup.tokenizer.eos_token_ids
     mx.synchronize()
     mx.reset_peak_memory()
@@ -81,7 +136,8 @@ def run_baseline(setup: Setup, ids: list[int], max_tokens: int) -> tuple[list[in
     self_tps = 0.0
     t_first: float | None = None
     t0 = time.perf_counter()
-    for r in stream_generate(setup.target.model, setup.tokenizer, mx.array(ids), max_tokens):
+    for r in stream_generate(setup.target.model, setup.tokenizer, mx.array(ids), max_tokens,
+                             sampler=sampler):
         if t_first is None:
             t_first = time.perf_counter()
         reason = r.finish_reason or reason
@@ -102,7 +158,8 @@ def _window(cfg: BenchConfig) -> str:
 
 
 def run_dflash(
-    setup: Setup, drafter: Drafter, ids: list[int], max_tokens: int, window: str = "auto"
+    setup: Setup, drafter: Drafter, ids: list[int], max_tokens: int, window: str = "auto",
+    sampling: Sampling = GREEDY,
 ) -> tuple[list[int], dict]:
     """stream_dflash_generate on the same prompt ids, timed with the baseline's clock."""
     mx.synchronize()
@@ -110,7 +167,8 @@ def run_dflash(
     t_first: float | None = None
     t0 = time.perf_counter()
     gen = stream_dflash_generate(
-        setup.target, drafter, setup.tokenizer, ids, max_tokens, verify_window=window
+        setup.target, drafter, setup.tokenizer, ids, max_tokens, verify_window=window,
+        **sampling.kwargs(),
     )
     for ev in gen:
         if isinstance(ev, Finished):
@@ -137,100 +195,329 @@ def run_dflash(
 
 
 def compare_ids(got: list[int], want: list[int]) -> dict:
-    """Losslessness of one DFlash run against the baseline run of the same repeat."""
+    """Losslessness of one DFlash run against the baseline's ids for the same prompt."""
     mismatch = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     if mismatch is None and len(got) != len(want):
         mismatch = min(len(got), len(want))
     return {"lossless": mismatch is None, "first_mismatch": mismatch}
 
 
-# --- t(verify) / t(decode step) -----------------------------------------------------------------
+# --- t(verify) / t(decode step) / t(draft) ------------------------------------------------------
 def time_forward(
-    target: TargetModel, ids: list[int], block: int, iters: int = 10, warmup: int = 3,
-    chunk: int = 512,
+    target: TargetModel, ids: list[int], block: int, iters: int = 10,
+    warmup: int = FORWARD_WARMUP, chunk: int = 512, draft: Any | None = None,
 ) -> dict:
-    """Median time of one target forward over M=block tokens vs M=1 on a cache of len(ids).
+    """Median times of a target forward over M=block tokens, over M=1, and of the draft pass.
 
-    This is the cost model of speculative decoding: a cycle pays one M=block forward instead of
-    tokens_per_cycle M=1 steps. Each forward is synced (mx.eval) and then rewound.
+    This is the cost model of speculative decoding: a cycle pays one draft pass and one M=block
+    forward instead of tokens_per_cycle M=1 steps. Every timed forward runs at a cache length it
+    never ran at: iteration i steps one token at n+i (kept), drafts a block after it, verifies
+    M=block at n+i+1 and rewinds that verify; the next step is at n+i+1. Each is synced (mx.eval)
+    on its own, interleaved so drift hits all alike. `draft` (a DFlashDraft, optional): its whole
+    block + the LM head on block-1 rows, as a cycle runs it, fed the features computed here.
     """
     caches = target.make_cache()
+    drafter = DFlashDrafter(draft, target) if draft is not None else None
     for s in range(0, len(ids), chunk):
-        logits, _ = target.forward(mx.array(ids[s : s + chunk], dtype=mx.int32)[None], caches)
-        mx.eval(logits[:, -1], [c.state for c in caches])
+        logits, feats = target.forward(mx.array(ids[s : s + chunk], dtype=mx.int32)[None], caches,
+                                       last_only=True)
+        if drafter is not None:
+            drafter.add_context(feats)
+            mx.eval([c.state for c in drafter.cache])
+        mx.eval(logits, [c.state for c in caches])
     record = rollback.needs_tape(caches)
     keep = 1 if record else 0  # a recurrent state is replayed over >= 1 step
     vocab = target.vocab_size
+    pos = len(ids)
 
-    def once(m: int) -> float:
-        toks = mx.array([(7 * j + 11) % vocab for j in range(m)], dtype=mx.int32)[None]
-        tp = tape_mod.Tape() if record else None
+    def forward(m: int) -> float:
+        nonlocal pos
+        toks = mx.array([(7 * (pos + j) + 11) % vocab for j in range(m)], dtype=mx.int32)[None]
+        tp = tape_mod.Tape() if record and m > 1 else None
         t0 = time.perf_counter()
         with tape_mod.recording(tp):
             logits, feats = target.forward(toks, caches)
         mx.eval(mx.argmax(logits[0], axis=-1), feats)
         dt = time.perf_counter() - t0
-        rollback.rewind(caches, target.layers, keep, m, tp)
+        kept = m if m == 1 else keep
+        if m > 1:
+            rollback.rewind(caches, target.layers, keep, m, tp)
+        if drafter is not None and kept:
+            drafter.add_context(feats[:, :kept])
+        pos += kept
         return dt
 
-    for _ in range(warmup):
-        once(1)
-        once(block)
-    step, ver = [], []
-    for _ in range(iters):  # interleaved, so drift hits both alike
-        step.append(once(1))
-        ver.append(once(block))
+    def draft_pass() -> float:
+        if drafter is None:
+            return 0.0
+        anchor = mx.array((7 * pos + 11) % vocab, dtype=mx.int32)
+        mx.eval([c.state for c in drafter.cache])
+        t0 = time.perf_counter()
+        out = drafter.propose(anchor, pos)
+        mx.eval(out[0] if isinstance(out, tuple) else out)
+        return time.perf_counter() - t0
+
+    step, ver, drf = [], [], []
+    for i in range(warmup + iters):
+        t1 = forward(1)
+        td = draft_pass()
+        tb = forward(block)
+        if i >= warmup:
+            step.append(t1)
+            drf.append(td)
+            ver.append(tb)
     t1, tb = statistics.median(step), statistics.median(ver)
-    return {"block_size": block, "step_ms": t1 * 1e3, "verify_ms": tb * 1e3, "ratio": tb / t1,
-            "iters": iters}
+    out = {"block_size": block, "step_ms": t1 * 1e3, "verify_ms": tb * 1e3, "ratio": tb / t1,
+           "iters": iters, "context": len(ids)}
+    out["draft_ms"] = statistics.median(drf) * 1e3 if drafter is not None else None
+    return out
 
 
 # --- the benchmark ------------------------------------------------------------------------------
 def _median(runs: list[dict], key: str) -> float:
-    vals = [r[key] for r in runs if key in r]
+    vals = [r[key] for r in runs if r.get(key) is not None]
     return statistics.median(vals) if vals else float("nan")
 
 
-def summarize(ctx: int, base: list[dict], dfl: list[dict], fwd: dict | None) -> dict:
-    """Medians over the timed repeats of one context length."""
+def _spread(runs: list[dict], key: str) -> list[float] | None:
+    vals = [r[key] for r in runs if r.get(key) is not None]
+    return [min(vals), statistics.median(vals), max(vals)] if vals else None
+
+
+def summarize(ctx: int, base: list[dict], dfl: list[dict], fwd: dict | None,
+              temperature: float = 0.0) -> dict:
+    """Medians over the timed repeats of one context length (and temperature)."""
     b_tps, d_tps = _median(base, "decode_tps"), _median(dfl, "decode_tps")
     hist: list[int] = []
     for r in dfl:
         h = r["accept_histogram"]
         hist = [a + b for a, b in zip(hist, h)] if hist else list(h)
-    return {
+    speedup = d_tps / b_tps if b_tps > 0 else float("nan")
+    tau = _median(dfl, "tokens_per_cycle")
+    lossless = [r["lossless"] for r in dfl]
+    row = {
         "context": ctx,
+        "temperature": temperature,
         "baseline_decode_tps": b_tps,
         "dflash_decode_tps": d_tps,
-        "speedup": d_tps / b_tps if b_tps > 0 else float("nan"),
+        "speedup": speedup,
         "baseline_e2e_tps": _median(base, "e2e_tps"),
         "dflash_e2e_tps": _median(dfl, "e2e_tps"),
         "acceptance": _median(dfl, "acceptance"),
-        "tokens_per_cycle": _median(dfl, "tokens_per_cycle"),
+        "tokens_per_cycle": tau,
         "accept_histogram": hist,
         "baseline_ttft_s": _median(base, "ttft_s"),
         "dflash_ttft_s": _median(dfl, "ttft_s"),
         "baseline_prefill_tps": _median(base, "prefill_tps"),
         "dflash_prefill_tps": _median(dfl, "prefill_tps"),
         "generated_tokens": int(_median(dfl, "generated_tokens")),
-        "lossless": all(r["lossless"] for r in dfl),
+        "prompt_tokens": {"baseline": _spread(base, "prompt_tokens"),
+                          "dflash": _spread(dfl, "prompt_tokens")},
+        "first_time": all(r.get("first_time") for r in base + dfl),
+        "lossless": None if any(v is None for v in lossless) else all(lossless),
         "forward": fwd,
+        "baseline_runs_tps": [r["decode_tps"] for r in base],
+        "dflash_runs_tps": [r["decode_tps"] for r in dfl],
     }
+    if fwd:
+        # what a cycle of tau tokens would give if it cost exactly one draft pass + one verify
+        cost = fwd["verify_ms"] + (fwd.get("draft_ms") or 0.0)
+        row["ideal_speedup"] = tau * fwd["step_ms"] / cost if cost > 0 else float("nan")
+        row["fraction_of_ideal"] = speedup / row["ideal_speedup"] if row["ideal_speedup"] else None
+    return row
+
+
+class Bench:
+    """One benchmark process: the setup, the shape ledger and planner, the run counter."""
+
+    def __init__(self, setup: Setup, cfg: BenchConfig, log: Log, text: str | None):
+        self.setup, self.cfg, self.log, self.text = setup, cfg, log, text
+        self.ledger = ShapeLedger(setup.target)
+        self.planner = Planner(self.ledger)
+        self.counter = 0
+
+    def sampling(self, temperature: float) -> Sampling:
+        """Greedy, or the run's own seed: reproducible, different for every run."""
+        self.counter += 1
+        if temperature == 0:
+            return GREEDY
+        return Sampling(temperature, self.cfg.top_p, self.cfg.top_k,
+                        (self.cfg.seed * 1_000_003 + self.counter) % 2**63)
+
+    def prompt(self, length: int) -> list[int]:
+        return prompt_ids(self.setup, length, self.text, self.cfg.seed)
+
+    def baseline(self, ids: list[int], temp: float, max_tokens: int | None = None):
+        smp = self.sampling(temp)
+        self.ledger.begin()
+        out, rec = run_baseline(self.setup, ids, max_tokens or self.cfg.max_tokens, smp)
+        rec["shapes"] = self.ledger.end(len(ids))
+        rec["first_time"] = rec["shapes"]["first_time"]
+        if not smp.greedy:
+            rec["seed"] = smp.seed
+        return out, rec
+
+    def dflash(self, ids: list[int], temp: float, reference: list[int] | None = None):
+        smp = self.sampling(temp)
+        drafter = make_drafter(self.setup, self.cfg, reference or [], len(ids))
+        self.ledger.begin()
+        out, rec = run_dflash(self.setup, drafter, ids, self.cfg.max_tokens, _window(self.cfg), smp)
+        rec["shapes"] = self.ledger.end(len(ids))
+        rec["first_time"] = rec["shapes"]["first_time"]
+        if not smp.greedy:
+            rec["seed"] = smp.seed
+        return out, rec
+
+    def forward_cost(self, center: int, ids: list[int] | None = None) -> dict | None:
+        cfg, setup = self.cfg, self.setup
+        if cfg.verify_iters <= 0:
+            return None
+        count = FORWARD_WARMUP + cfg.verify_iters
+        if ids is None:  # a prompt length where every timed forward is at a new shape
+            keep = 1 if rollback.needs_tape(setup.target.make_cache()) else 0
+            n = self.planner.nearest(
+                center, lambda n: forward_timing_shapes(n, setup.block_size, count, keep))
+            ids = self.prompt(n)
+        self.ledger.begin()
+        fwd = time_forward(setup.target, ids, setup.block_size, cfg.verify_iters,
+                           draft=setup.draft_model)
+        fwd["first_time"] = self.ledger.end(len(ids))["first_time"]
+        draft = f", draft {fwd['draft_ms']:.2f} ms" if fwd["draft_ms"] is not None else ""
+        self.log(f"   ctx {center} forward at {len(ids)}: M={setup.block_size} "
+                 f"{fwd['verify_ms']:.2f} ms vs M=1 {fwd['step_ms']:.2f} ms -> t(verify)/t(step) = "
+                 f"{fwd['ratio']:.2f}{draft}")
+        return fwd
+
+
+def _progress(bench: Bench, ctx: int, r: int, eng: str, rec: dict) -> None:
+    cfg = bench.cfg
+    tag = "ORACLE" if cfg.oracle else "dflash"
+    extra = ""
+    if eng == "dflash":
+        extra = f" | accept {rec['acceptance']:.1%}, {rec['tokens_per_cycle']:.2f} tok/cycle"
+    fresh = "" if rec.get("first_time") else " | REVISITED shapes"
+    bench.log(f"   ctx {ctx} repeat {r + 1}/{cfg.repeats} {tag if eng == 'dflash' else eng:>8} "
+              f"(prompt {rec['prompt_tokens']}): {rec['decode_tps']:8.1f} tok/s | TTFT "
+              f"{rec['ttft_s'] * 1e3:7.0f} ms{extra}{fresh}")
+
+
+def _label(rec: dict, ctx: int, r: int, eng: str, cfg: BenchConfig, ids: list[int],
+           temp: float) -> dict:
+    rec.update(context=ctx, repeat=r, engine=eng, temperature=temp,
+               mode=cfg.mode if eng == "dflash" else "baseline", token_ids_sha1=_ids_hash(ids))
+    return rec
+
+
+def run_context_fresh(bench: Bench, ctx: int, temp: float) -> tuple[list[dict], dict]:
+    """One context at first-time lengths: every timed run decodes at shapes never run before."""
+    setup, cfg, planner, log = bench.setup, bench.cfg, bench.planner, bench.log
+    T, B = cfg.max_tokens, setup.block_size
+    greedy = temp == 0
+    log(f"-- context {ctx}" + (f", temperature {temp:g}" if not greedy else "")
+        + f": warm-up x{cfg.warmup} (first-time lengths)")
+    ref_prompt: list[int] = []
+    ref_ids: list[int] = []
+    spare = cfg.warmup + cfg.repeats + 2  # oracle prompts: the reference's prompt + j of its ids
+
+    def new_reference() -> None:
+        nonlocal ref_prompt, ref_ids
+        n = planner.nearest(ctx, lambda n: baseline_shapes(n, T + spare))
+        ref_prompt = bench.prompt(n)
+        ref_ids, _ = bench.baseline(ref_prompt, 0.0, T + spare)
+
+    def oracle_prompt() -> tuple[list[int], list[int]]:
+        """A prompt = reference prompt + its first j ids, j such that the verifies are new."""
+        for _ in range(2):
+            if ref_ids:
+                L0 = len(ref_prompt)
+                usable = range(L0, L0 + min(spare, len(ref_ids)) + 1)
+                n = planner.nearest(L0, lambda n: oracle_shapes(n, T, B), candidates=usable)
+                if n is not None:
+                    j = n - L0
+                    return ref_prompt + ref_ids[:j], ref_ids[j:]
+            new_reference()
+        raise RuntimeError("no first-time oracle prompt found")
+
+    def plain_prompt(predict) -> list[int]:
+        return bench.prompt(planner.nearest(ctx, predict))
+
+    base_pred = lambda n: baseline_shapes(n, T)  # noqa: E731
+    dfl_pred = lambda n: dflash_shapes(n, T, B)  # noqa: E731
+    if cfg.oracle:
+        new_reference()  # the reference run is the baseline's first warm-up
+    for w in range(cfg.warmup):
+        if not (cfg.oracle and w == 0):
+            bench.baseline(plain_prompt(base_pred), temp)
+        if cfg.oracle:
+            ids, ref = oracle_prompt()
+            bench.dflash(ids, 0.0, ref)
+        else:
+            bench.dflash(plain_prompt(dfl_pred), temp)
+        time.sleep(cfg.cooldown)
+
+    base_runs: list[dict] = []
+    dfl_runs: list[dict] = []
+    pending: list[tuple[dict, list[int], list[int]]] = []  # (record, prompt, ids): check later
+    for r in range(cfg.repeats):
+        order = ("baseline", "dflash") if r % 2 == 0 else ("dflash", "baseline")
+        for eng in order:
+            if eng == "baseline":
+                ids = plain_prompt(base_pred)
+                out, rec = bench.baseline(ids, temp)
+                base_runs.append(_label(rec, ctx, r, eng, cfg, out, temp))
+            elif cfg.oracle:
+                ids, ref = oracle_prompt()
+                out, rec = bench.dflash(ids, 0.0, ref)
+                rec.update(compare_ids(out, ref[: len(out)] if len(ref) >= len(out) else ref))
+                dfl_runs.append(_label(rec, ctx, r, eng, cfg, out, temp))
+            else:
+                ids = plain_prompt(dfl_pred)
+                out, rec = bench.dflash(ids, temp)
+                dfl_runs.append(_label(rec, ctx, r, eng, cfg, out, temp))
+                if greedy:
+                    pending.append((rec, ids, out))
+                else:
+                    rec.update(lossless=None, first_mismatch=None)
+            _progress(bench, ctx, r, eng, rec)
+            time.sleep(cfg.cooldown)
+    for rec, ids, out in pending:  # the baseline's ids for each DFlash prompt (untimed, after)
+        want, _ = bench.baseline(ids, 0.0)
+        rec.update(compare_ids(out, want))
+    for rec in dfl_runs:
+        if rec["lossless"] is False:
+            log(f"   !! ctx {ctx} repeat {rec['repeat'] + 1}: DFlash ids differ from the baseline's "
+                f"at token {rec['first_mismatch']}")
+    fwd = bench.forward_cost(ctx)
+    row = summarize(ctx, base_runs, dfl_runs, fwd, temp)
+    if cfg.oracle:
+        row["oracle_reference"] = {
+            "source": "an untimed baseline run; each DFlash prompt is its prompt + its first j ids",
+            "reference_prompt_tokens": len(ref_prompt),
+            "matches_baseline": True,
+            # every cycle but the last (cut by max_tokens) took all its B-1 drafts
+            "every_draft_accepted": all(r["accept_histogram"][B - 1] >= r["cycles"] - 1
+                                        for r in dfl_runs),
+        }
+    return _in_order(base_runs + dfl_runs), row
+
+
+def _in_order(runs: list[dict]) -> list[dict]:
+    return sorted(runs, key=lambda r: (r["repeat"], r["engine"] != "baseline"))
 
 
 def settle_oracle(
-    setup: Setup, cfg: BenchConfig, ids: list[int], baseline_ids: list[int], max_iters: int = 8
+    bench: Bench, ids: list[int], baseline_ids: list[int], max_iters: int = 8
 ) -> tuple[list[int], dict]:
-    """The ids the oracle replays: the baseline's, or DFlash's own if verify numerics differ.
+    """Same-prompt method: the ids the oracle replays, the baseline's or DFlash's own.
 
     In low precision a block-of-B verify can round a near-tie differently from a 1-token decode
-    step; the baseline's ids then stop matching at that token and the "ceiling" would collapse
-    into rejections. Replaying DFlash's own output until it reproduces itself keeps every draft
-    accepted. Losslessness is still judged against the baseline, run by run.
+    step; replaying DFlash's own output until it reproduces itself keeps every draft accepted
+    (it re-runs one prompt: only for --no-first-time-lengths). Losslessness is still judged
+    against the baseline, run by run.
     """
     ref = list(baseline_ids)
     for i in range(max_iters + 1):
-        out, _ = run_dflash(setup, make_drafter(setup, cfg, ref, len(ids)), ids, cfg.max_tokens, _window(cfg))
+        out, _ = bench.dflash(ids, 0.0, ref)
         if out == ref:
             break
         ref = out
@@ -239,77 +526,96 @@ def settle_oracle(
     return ref, info
 
 
-def run_context(
-    setup: Setup, cfg: BenchConfig, ids: list[int], log: Log
-) -> tuple[list[dict], dict]:
-    """Warm-up, then `repeats` alternating timed pairs, then the forward timing, for one prompt."""
+def run_context_same(bench: Bench, ids: list[int], temp: float) -> tuple[list[dict], dict]:
+    """One prompt, re-run by every run (chat questions, --no-first-time-lengths): the method
+    before first-time lengths; the ledger still says, run by run, which shapes were revisited."""
+    setup, cfg, log = bench.setup, bench.cfg, bench.log
     ctx = len(ids)
-    tag = "ORACLE" if cfg.oracle else "dflash"
-    log(f"-- context {ctx}: warm-up x{cfg.warmup}")
+    greedy = temp == 0
+    log(f"-- context {ctx}" + (f", temperature {temp:g}" if not greedy else "")
+        + f": warm-up x{cfg.warmup} (same prompt every run)")
     base_ids: list[int] = []
     for _ in range(cfg.warmup):
-        base_ids, _ = run_baseline(setup, ids, cfg.max_tokens)
+        base_ids, _ = bench.baseline(ids, temp)
         if not cfg.oracle:  # the oracle's settling runs below are its warm-up
-            run_dflash(setup, make_drafter(setup, cfg, base_ids, ctx), ids, cfg.max_tokens, _window(cfg))
+            bench.dflash(ids, temp, base_ids)
         time.sleep(cfg.cooldown)
     reference, settle = base_ids, None
     if cfg.oracle:
-        reference, settle = settle_oracle(
-            setup, cfg, ids, base_ids or run_baseline(setup, ids, cfg.max_tokens)[0]
-        )
+        if not base_ids or not greedy:
+            base_ids, _ = bench.baseline(ids, 0.0)
+        reference, settle = settle_oracle(bench, ids, base_ids)
         if not settle["matches_baseline"]:
             log(f"   ctx {ctx}: oracle replays DFlash's own ids (verify differs from decode at "
                 f"token {settle['first_divergence_from_baseline']}; settled in "
                 f"{settle['iterations']} runs, converged {settle['converged']})")
         time.sleep(cfg.cooldown)
 
-    runs: list[dict] = []
     base_runs, dfl_runs = [], []
     for r in range(cfg.repeats):
         order = ("baseline", "dflash") if r % 2 == 0 else ("dflash", "baseline")
         got: dict[str, tuple[list[int], dict]] = {}
         for eng in order:
             if eng == "baseline":
-                got[eng] = run_baseline(setup, ids, cfg.max_tokens)
+                got[eng] = bench.baseline(ids, temp)
             else:
-                drafter = make_drafter(setup, cfg, reference, ctx)
-                got[eng] = run_dflash(setup, drafter, ids, cfg.max_tokens, _window(cfg))
-            rec = got[eng][1]
-            extra = ""
-            if eng == "dflash":
-                extra = (f" | accept {rec['acceptance']:.1%}, "
-                         f"{rec['tokens_per_cycle']:.2f} tok/cycle")
-            log(f"   ctx {ctx} repeat {r + 1}/{cfg.repeats} {tag if eng == 'dflash' else eng:>8}: "
-                f"{rec['decode_tps']:8.1f} tok/s | TTFT {rec['ttft_s'] * 1e3:7.0f} ms{extra}")
+                got[eng] = bench.dflash(ids, temp, reference)
+            _progress(bench, ctx, r, eng, got[eng][1])
             time.sleep(cfg.cooldown)
         (b_ids, b_rec), (d_ids, d_rec) = got["baseline"], got["dflash"]
-        d_rec.update(compare_ids(d_ids, b_ids))
-        if not d_rec["lossless"]:
-            log(f"   !! ctx {ctx} repeat {r + 1}: DFlash ids differ from the baseline's at "
-                f"token {d_rec['first_mismatch']}")
+        if greedy:
+            d_rec.update(compare_ids(d_ids, b_ids))
+            if not d_rec["lossless"]:
+                log(f"   !! ctx {ctx} repeat {r + 1}: DFlash ids differ from the baseline's at "
+                    f"token {d_rec['first_mismatch']}")
+        else:
+            d_rec.update(lossless=None, first_mismatch=None)
         for eng, (tok_ids, rec) in got.items():
-            rec.update(context=ctx, repeat=r, engine=eng,
-                       mode=cfg.mode if eng == "dflash" else "baseline",
-                       token_ids_sha1=_ids_hash(tok_ids))
-        runs += [b_rec, d_rec]
+            _label(rec, ctx, r, eng, cfg, tok_ids, temp)
         base_runs.append(b_rec)
         dfl_runs.append(d_rec)
-
-    fwd = None
-    if cfg.verify_iters > 0:
-        fwd = time_forward(setup.target, ids, setup.block_size, cfg.verify_iters)
-        log(f"   ctx {ctx} forward: M={setup.block_size} {fwd['verify_ms']:.2f} ms vs M=1 "
-            f"{fwd['step_ms']:.2f} ms -> t(verify)/t(step) = {fwd['ratio']:.2f}")
-    row = summarize(ctx, base_runs, dfl_runs, fwd)
+    fwd = bench.forward_cost(ctx, ids)
+    row = summarize(ctx, base_runs, dfl_runs, fwd, temp)
     if settle is not None:
         row["oracle_reference"] = settle
-    return runs, row
+    return _in_order(base_runs + dfl_runs), row
+
+
+def method(cfg: BenchConfig, setup: Setup, runs: list[dict], first_time_used: bool) -> dict:
+    """How the numbers were measured, in the JSON next to them."""
+    return {
+        "first_time_lengths": first_time_used,
+        "first_time_verified": all(r.get("first_time") for r in runs),
+        "revisited_runs": sum(1 for r in runs if not r.get("first_time")),
+        "shape_rule": "a run is first-time when none of its decode forwards (tokens, cache "
+                      "offset >= prompt length) was run before in this process",
+        "warmup_runs": cfg.warmup,
+        "repeats": cfg.repeats,
+        "statistic": "median over repeats (every run in runs[])",
+        "order": "alternating baseline/dflash per repeat",
+        "cooldown_s": cfg.cooldown,
+        "mlx_cuda_use_cudnn_sdpa": accel.sdpa_setting(),
+        "temperatures": list(cfg.temperatures),
+        "top_p": cfg.top_p,
+        "top_k": cfg.top_k,
+        "lossless_check": "greedy only: DFlash ids vs a baseline run on the same prompt; "
+                          "sampled runs: null (ids are draws, compare acceptance and speed)",
+        "decisive_random_target": setup.decisive,
+        "forward_timing": "medians of synced single forwards at first-time cache lengths; "
+                          "ideal_speedup = tau * t(step) / (t(verify) + t(draft))",
+    }
 
 
 def run_benchmark(cfg: BenchConfig, log: Log = print) -> tuple[dict, Path]:
     """Run the whole protocol; write the JSON (and plot); return (result, json path)."""
-    if cfg.repeats < 1 or cfg.max_tokens < 1 or not cfg.contexts:
-        raise ValueError("need repeats >= 1, max_tokens >= 1 and at least one context length")
+    if cfg.repeats < 1 or cfg.max_tokens < 1 or not cfg.contexts or not cfg.temperatures:
+        raise ValueError("need repeats >= 1, max_tokens >= 1, at least one context length "
+                         "and at least one temperature")
+    sampled = [t for t in cfg.temperatures if t > 0]
+    if sampled and cfg.oracle:
+        raise ValueError("--oracle is greedy only: it replays the target's greedy ids")
+    if sampled and not dflash_supports_sampling():
+        raise ValueError("this engine's stream_dflash_generate has no sampling (temperature)")
     t_setup = time.perf_counter()
     setup = build_setup(cfg)
     # Raw prompts ignore EOS: every run generates exactly max_tokens (comparable tok/s). Chat
@@ -321,19 +627,29 @@ def run_benchmark(cfg: BenchConfig, log: Log = print) -> tuple[dict, Path]:
     mode_line = _mode_line(cfg, setup)
     log(f"== dflash benchmark | MODE: {mode_line}")
     log(f"== {setup.description} | dtype {setup.dtype} | device {mx.default_device()} | "
-        f"block {setup.block_size} | setup {time.perf_counter() - t_setup:.1f} s")
+        f"block {setup.block_size} | setup {time.perf_counter() - t_setup:.1f} s | "
+        f"{accel.CUDNN_SDPA}={accel.sdpa_setting()['value']}")
 
+    bench = Bench(setup, cfg, log, text)
+    fresh = cfg.first_time_lengths and not cfg.chat
     runs: list[dict] = []
     summary: list[dict] = []
-    if cfg.chat:
-        prompts = chat_prompts(setup, text)
-    else:
-        prompts = [prompt_ids(setup, ctx, text, cfg.seed) for ctx in cfg.contexts]
-    for ids in prompts:
-        ctx_runs, row = run_context(setup, cfg, ids, log)
-        runs.extend(ctx_runs)
-        summary.append(row)
+    for temp in cfg.temperatures:
+        if cfg.chat:
+            for ids in chat_prompts(setup, text):
+                ctx_runs, row = run_context_same(bench, ids, temp)
+                runs.extend(ctx_runs)
+                summary.append(row)
+            continue
+        for ctx in cfg.contexts:
+            if fresh:
+                ctx_runs, row = run_context_fresh(bench, ctx, temp)
+            else:
+                ctx_runs, row = run_context_same(bench, bench.prompt(ctx), temp)
+            runs.extend(ctx_runs)
+            summary.append(row)
 
+    greedy_dfl = [r["lossless"] for r in runs if r["engine"] == "dflash" and r["lossless"] is not None]
     result = {
         "mode": cfg.mode,
         "mode_description": mode_line,
@@ -346,7 +662,11 @@ def run_benchmark(cfg: BenchConfig, log: Log = print) -> tuple[dict, Path]:
         "hardware": hardware_info(),
         "versions": versions(),
         "config": dataclasses.asdict(cfg),
-        "lossless": all(r["lossless"] for r in runs if r["engine"] == "dflash"),
+        "method": method(cfg, setup, runs, fresh),
+        "lossless": all(greedy_dfl) if greedy_dfl else None,
+        "lossless_note": None if not sampled else (
+            "sampled runs are not compared id by id (lossless: null); their acceptance, tokens "
+            "per cycle and speed are"),
         "runs": runs,
         "summary": summary,
     }
@@ -399,7 +719,8 @@ def hardware_info() -> dict:
     gpu = _nvidia_gpu()
     if gpu:
         info["gpu"] = gpu
-    blas = {k: os.environ[k] for k in ("LD_PRELOAD", "MKL_THREADING_LAYER") if k in os.environ}
+    blas = {k: os.environ[k] for k in ("LD_PRELOAD", "MKL_THREADING_LAYER", accel.CUDNN_SDPA)
+            if k in os.environ}
     if blas:
         info["env"] = blas
     return info
@@ -461,6 +782,16 @@ def _contexts(_ctx: Any, _param: Any, value: str) -> list[int]:
     return vals
 
 
+def _temperatures(_ctx: Any, _param: Any, value: str) -> list[float]:
+    try:
+        vals = [float(v) for v in value.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise click.BadParameter("comma-separated numbers, e.g. 0 or 0,0.7") from None
+    if not vals or any(not (v >= 0 and v < float("inf")) for v in vals):
+        raise click.BadParameter("temperatures are finite numbers >= 0 (0 = greedy)")
+    return list(dict.fromkeys(vals))
+
+
 @click.command("benchmark")
 @click.option("--model", default=None, help="Target model directory (mlx-lm format).")
 @click.option("--draft", default=None, help="Draft directory (optional with --oracle).")
@@ -498,10 +829,22 @@ def _contexts(_ctx: Any, _param: Any, value: str) -> list[int]:
               help="Timed iterations of the M=block vs M=1 forward (0 = skip).")
 @click.option("--verify-window", default="auto", show_default=True,
               help="Tokens per verify: auto, full, or a number (oracle mode: always full).")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--temperature", "temperatures", default="0", show_default=True,
+              callback=_temperatures,
+              help="Sampling temperature(s), comma-separated: 0 = greedy; e.g. 0,0.7 runs both, "
+                   "one summary row per temperature and context.")
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True),
+              help="Sampling: nucleus mass (1 = off), for both engines.")
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(0),
+              help="Sampling: keep the k most likely tokens (0 = off), for both engines.")
+@click.option("--first-time-lengths/--no-first-time-lengths", default=True, show_default=True,
+              help="Every timed run at cache lengths never run before in the process (its own "
+                   "prompt length); off: one prompt re-run by every run (the old method).")
+@click.option("--seed", default=0, show_default=True, type=int,
+              help="Random prompt ids, random weights, and the sampling draws of each run.")
 @click.option("--no-plot", is_flag=True, help="Do not draw the PNG plot.")
 def benchmark_command(no_plot: bool, **kwargs: Any) -> None:
-    """Benchmark DFlash against mlx-lm's greedy stream_generate, side by side, in one process."""
+    """Benchmark DFlash against mlx-lm's stream_generate, side by side, in one process."""
     if not kwargs["model"] and not kwargs["random_target"]:
         raise click.UsageError("give --model PATH or --random-target SHAPE")
     cfg = BenchConfig(**kwargs, plot=not no_plot)
@@ -511,6 +854,6 @@ def benchmark_command(no_plot: bool, **kwargs: Any) -> None:
         raise click.ClickException(str(e)) from e
 
 
-
 if __name__ == "__main__":  # `python -m dflash.engine.benchmark ...`, without the full CLI
+    accel.maybe_reexec()  # MKL preload on CPU, like `dflash benchmark` (cuDNN SDPA: set on import)
     benchmark_command()

@@ -21,14 +21,26 @@ _COLUMNS = [
     ("TTFT dflash ms", "dflash_ttft_s", "ms"),
     ("verify ms", "verify_ms", "{:.2f}"),
     ("step ms", "step_ms", "{:.2f}"),
+    ("draft ms", "draft_ms", "{:.2f}"),
     ("verify/step", "ratio", "{:.2f}"),
+    ("ideal", "ideal_speedup", "{:.2f}x"),
+    ("of ideal", "fraction_of_ideal", "{:.0%}"),
+    ("first-time", "first_time", "{}"),
     ("lossless", "lossless", "{}"),
 ]
+_TEMP = ("temp", "temperature", "{:g}")
+
+
+def _columns(result: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The temperature column only when a row is sampled."""
+    if any(r.get("temperature") for r in result["summary"]):
+        return [_COLUMNS[0], _TEMP, *_COLUMNS[1:]]
+    return _COLUMNS
 
 
 def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
     fwd = row.get("forward") or {}
-    value = row.get(key, fwd.get(key))
+    value = row[key] if key in row else fwd.get(key)
     if value is None:
         return "-"
     if fmt == "ms":
@@ -38,8 +50,9 @@ def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
 
 def format_table(result: dict[str, Any]) -> str:
     """A fixed-width table of the per-context summary (medians over repeats)."""
-    rows = [[_cell(r, key, fmt) for _, key, fmt in _COLUMNS] for r in result["summary"]]
-    heads = [h for h, _, _ in _COLUMNS]
+    columns = _columns(result)
+    rows = [[_cell(r, key, fmt) for _, key, fmt in columns] for r in result["summary"]]
+    heads = [h for h, _, _ in columns]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(heads)]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
     mode = "ORACLE (ceiling, not a real draft)" if result["mode"] == "oracle" else "dflash"
@@ -47,7 +60,12 @@ def format_table(result: dict[str, Any]) -> str:
              f"{result['hardware']['mx_default_device']} | medians of "
              f"{result['config']['repeats']} repeat(s)")
     rule = line(["-" * w for w in widths])
-    return "\n".join([title, line(heads), rule] + [line(r) for r in rows])
+    method = result.get("method") or {}
+    note = (f"== method: first-time lengths {method.get('first_time_lengths')} (verified "
+            f"{method.get('first_time_verified')}), warm-up {method.get('warmup_runs')}, "
+            f"{method.get('repeats')} repeats, medians; MLX_CUDA_USE_CUDNN_SDPA="
+            f"{(method.get('mlx_cuda_use_cudnn_sdpa') or {}).get('value')}") if method else None
+    return "\n".join([title, line(heads), rule] + [line(r) for r in rows] + ([note] if note else []))
 
 
 def plot(result: dict[str, Any], path: Path) -> str:
@@ -61,28 +79,32 @@ def plot(result: dict[str, Any], path: Path) -> str:
         return "skipped: matplotlib is not installed (pip install 'dflash[bench]')"
 
     rows = result["summary"]
-    ctx = [r["context"] for r in rows]
+    ctx = sorted({r["context"] for r in rows})
+    temps = list(dict.fromkeys(r.get("temperature", 0.0) for r in rows))
     oracle = result["mode"] == "oracle"
     dlabel = "DFlash ORACLE (ceiling)" if oracle else "DFlash"
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    ax1.plot(ctx, [r["baseline_decode_tps"] for r in rows], "o-", label="mlx-lm baseline")
-    ax1.plot(ctx, [r["dflash_decode_tps"] for r in rows], "s-", label=dlabel)
-    for x, r in zip(ctx, rows):
-        ax1.annotate(f"{r['speedup']:.2f}x", (x, r["dflash_decode_tps"]),
-                     textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    ax3 = ax2.twinx()
+    for t in temps:
+        sel = [r for r in rows if r.get("temperature", 0.0) == t]
+        x = [r["context"] for r in sel]
+        tag = "" if len(temps) == 1 and not t else f" (T={t:g})"
+        ax1.plot(x, [r["baseline_decode_tps"] for r in sel], "o-", label="mlx-lm baseline" + tag)
+        ax1.plot(x, [r["dflash_decode_tps"] for r in sel], "s-", label=dlabel + tag)
+        for xx, r in zip(x, sel):
+            ax1.annotate(f"{r['speedup']:.2f}x", (xx, r["dflash_decode_tps"]),
+                         textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+        ax2.plot(x, [r["acceptance"] for r in sel], "o-", label="acceptance" + tag)
+        ax3.plot(x, [r["tokens_per_cycle"] for r in sel], "s--", label="tokens/cycle" + tag)
     top = max(max(r["dflash_decode_tps"], r["baseline_decode_tps"]) for r in rows)
     ax1.set(xscale="log", xlabel="context (tokens)", ylabel="decode tokens/s",
             ylim=(0, top * 1.15 or 1), title="Decode speed (median of repeats)")
-    ax1.legend()
-    ax2.plot(ctx, [r["acceptance"] for r in rows], "o-", color="tab:green", label="acceptance")
+    ax1.legend(fontsize=8)
     ax2.set(xscale="log", xlabel="context (tokens)", ylabel="acceptance", ylim=(0, 1.05),
             title="Acceptance and tokens per cycle")
-    ax3 = ax2.twinx()
-    ax3.plot(ctx, [r["tokens_per_cycle"] for r in rows], "s--", color="tab:purple",
-             label="tokens/cycle")
     ax3.set(ylabel="tokens per cycle", ylim=(0, result["block_size"] + 1))
     handles = ax2.get_legend_handles_labels()[0] + ax3.get_legend_handles_labels()[0]
-    ax2.legend(handles, [h.get_label() for h in handles], loc="lower left")
+    ax2.legend(handles, [h.get_label() for h in handles], loc="lower left", fontsize=8)
     for ax in (ax1, ax2):
         ax.set_xticks(ctx, [str(c) for c in ctx])
         ax.minorticks_off()

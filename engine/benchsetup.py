@@ -67,7 +67,11 @@ class BenchConfig:
     respect_eos: bool = False
     verify_iters: int = 10
     verify_window: str = "auto"  # oracle mode always verifies the full block
-    seed: int = 0
+    temperatures: list[float] = field(default_factory=lambda: [0.0])  # 0 = greedy
+    top_p: float = 1.0  # sampling only; 1 = off
+    top_k: int = 0  # sampling only; 0 = off
+    first_time_lengths: bool = True  # every timed run at cache lengths new to the process
+    seed: int = 0  # random prompt ids, random weights, sampling draws
     plot: bool = True
 
     @property
@@ -87,6 +91,7 @@ class Setup:
     block_size: int
     random_prompts: bool  # random target: prompt ids are random ids in range
     description: str
+    decisive: bool = False  # random target made decisive for the oracle (make_decisive)
 
 
 # --- building the target / draft ----------------------------------------------------------------
@@ -172,6 +177,34 @@ def random_target(shape: str, dtype: mx.Dtype, seed: int = 0) -> tuple[Any, Any,
     return model, tok, cfg
 
 
+DECISIVE_TOKEN = 7
+
+
+def make_decisive(model: Any, token: int = DECISIVE_TOKEN, strength: float = 1000.0) -> None:
+    """Make a random target's greedy choice `token` everywhere, by a wide margin.
+
+    For the oracle at first-time lengths: a random-weight model's logits are near-ties, so in
+    bf16 a 16-token verify and a 1-token step pick different argmaxes within a few dozen tokens
+    and the replayed reference stops being accepted (same-prompt settling is not possible when
+    no length may be re-run). Every embedding gets a large constant in feature 0, which the
+    residual stream carries to the final norm; the LM head row of `token` reads that feature.
+    Shapes, dtypes and the work per token are unchanged: only which token wins, and by how much.
+    """
+    from .target import _find_text_model
+
+    outer, inner = _find_text_model(model)
+    emb = inner.embed_tokens.weight
+    col = mx.zeros((emb.shape[1],), emb.dtype).at[0].add(1.0)
+    inner.embed_tokens.weight = emb * (1 - col) + col * strength
+    if "lm_head" in outer:
+        head = outer.lm_head.weight
+        outer.lm_head.weight = head.at[token, 0].add(1.0)
+    else:  # tied: the embedding is the head; its row `token` reads feature 0 twice as strongly
+        w = inner.embed_tokens.weight
+        inner.embed_tokens.weight = w.at[token, 0].add(strength)
+    mx.eval(model.parameters())
+
+
 def random_draft(
     target_cfg: dict, layer_ids: list[int], num_layers: int, block_size: int, dtype: mx.Dtype,
     seed: int = 1,
@@ -190,6 +223,8 @@ def random_draft(
         block_size=block_size,
         rope_theta=float(target_cfg["rope_theta"]),
         num_target_layers=target_cfg["num_hidden_layers"],
+        max_position_embeddings=target_cfg.get("max_position_embeddings", 32768),
+        tie_word_embeddings=bool(target_cfg.get("tie_word_embeddings", False)),
     )
     draft = DFlashDraft(cfg)
     _randomize(draft, dtype, std=0.02, seed=seed)
@@ -218,8 +253,12 @@ def build_setup(cfg: BenchConfig) -> Setup:
                 f"({n} layers, hidden {tcfg['hidden_size']})")
         if draft is not None:
             desc += f", random {cfg.draft_layers}-layer draft"
+        decisive = cfg.oracle and cfg.first_time_lengths
+        if decisive:  # the replayed reference must survive bf16 verify-vs-step rounding
+            make_decisive(model)
+            desc += f", decisive (greedy token {DECISIVE_TOKEN} by a wide margin, for the oracle)"
         return Setup(TargetModel(model, layer_ids), tok, f"random-{cfg.random_target}", dname,
-                     draft, cfg.block_size, True, desc)
+                     draft, cfg.block_size, True, desc, decisive)
     if not cfg.model:
         raise ValueError("--model (or --random-target) is required")
     if not cfg.oracle and not cfg.draft:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import click
@@ -13,10 +14,16 @@ import click
 @click.pass_context
 def main(ctx: click.Context) -> None:
     """DFlash block-diffusion speculative decoding on MLX (lossless, greedy)."""
-    if ctx.invoked_subcommand in ("generate", "benchmark", "train-draft"):
+    if ctx.invoked_subcommand in ("generate", "benchmark", "train-draft", "eval-draft"):
         from .accel import maybe_reexec
 
         maybe_reexec()  # a fast BLAS for MLX's CPU backend, when installed ($DFLASH_BLAS=none: off)
+
+
+def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number")
+    return value
 
 
 @main.command()
@@ -30,22 +37,36 @@ def main(ctx: click.Context) -> None:
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, help="Cast target and draft (CPU: float32 is fastest).")
 @click.option("--kv-bits", type=click.IntRange(2, 8), default=None, help="Quantize the target's KV cache.")
 @click.option("--verify-window", default="auto", show_default=True, help="Tokens per verify: auto, full, or 1..block size (1 = plain decoding).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats).")
-def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtype, kv_bits, verify_window, as_json):
-    """Generate greedily with DFlash; prints text as it streams, then the stats."""
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats, sampling).")
+@click.option("--temperature", "-t", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              callback=_finite, help="Sampling temperature; 0 = greedy (lossless: the target's argmax).")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
+              help="Nucleus sampling: keep the smallest set of tokens with this mass; 1 = off.")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Keep the k most likely tokens; 0 = off.")
+@click.option("--seed", type=click.IntRange(0, (1 << 64) - 1), default=None,
+              help="Random seed for sampling; default: a random one, printed. The same seed repeats the same ids under a fixed --verify-window (auto follows timings).")
+def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtype, kv_bits, verify_window, as_json,
+             temperature, top_p, top_k, seed):
+    """Generate with DFlash (greedy by default); prints text as it streams, then the stats."""
     from .generate import Finished, format_stats, stream_dflash_generate
     from .loading import load_pair
     from .prompting import build_prompt
 
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
+    if temperature > 0 and seed is None:  # drawn here and reported, so the run can be repeated
+        import secrets
+
+        seed = secrets.randbits(63)
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
     try:
         pair = load_pair(model_path, draft_path, dtype=dtype)
         ids = build_prompt(pair.tokenizer, prompt, system=system, raw=raw)
         final = None
         for ev in stream_dflash_generate(
             pair.target, pair.drafter, pair.tokenizer, ids, max_tokens, stop=stop, kv_bits=kv_bits,
-            verify_window=verify_window,
+            verify_window=verify_window, **sampling,
         ):
             if isinstance(ev, Finished):
                 final = ev
@@ -56,10 +77,13 @@ def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtyp
         raise click.ClickException(str(e)) from e
     s = final.stats
     if as_json:
-        click.echo(json.dumps({"text": final.text, "token_ids": final.token_ids, "stats": s.to_dict()}))
+        click.echo(json.dumps({"text": final.text, "token_ids": final.token_ids, "stats": s.to_dict(),
+                               "sampling": sampling}))
     else:
         click.echo()
         click.echo(format_stats(s.to_dict()), err=True)
+        if temperature > 0:
+            click.echo(f"sampling: temperature {temperature:g}, top_p {top_p:g}, top_k {top_k}, seed {seed}", err=True)
 
 
 @main.command("make-tiny")
@@ -84,10 +108,12 @@ main.add_command(benchmark_command)
 
 
 from .convert import import_command  # noqa: E402
-from .train import train_draft_command  # noqa: E402
+from .training.loop import train_draft_command  # noqa: E402
+from .training.report import eval_draft_command  # noqa: E402
 
 main.add_command(import_command)
 main.add_command(train_draft_command)
+main.add_command(eval_draft_command)
 
 try:  # the gateway needs pyzmq + the HTTP stack; the engine commands must not
     from dflash.daemon.gateway import serve_command  # noqa: E402

@@ -10,6 +10,13 @@ Checkpoint format (published DFlash drafts): config.json with block_size and
 dflash_config {mask_token_id, target_layer_ids}; safetensors named fc.weight, hidden_norm.weight,
 norm.weight, layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight,
 layers.{i}.{input,post_attention}_layernorm.weight, layers.{i}.mlp.{gate,up,down}_proj.weight.
+
+Interchangeable with the published drafts and with dflash-mlx: `save_draft` writes every key of a
+published config (architectures, model_type, block_size, dflash_config, num_target_layers,
+max_position_embeddings, tie_word_embeddings, layer_types, rope_theta / rope_scaling, ...; see
+PUBLISHED_DEFAULTS) and no embedding or lm_head weight (the draft borrows the target's; dflash-mlx
+refuses a draft that brings its own lm_head). `load_draft` reads a published config as is and
+refuses, with the reason, what this draft cannot run (attention biases, sliding-window layers).
 """
 
 from __future__ import annotations
@@ -23,6 +30,20 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
+from mlx_lm.models.rope_utils import initialize_rope
+
+# Keys of a published DFlash config.json (z-lab/Qwen3-*-DFlash-b16) that the draft's shape does not
+# determine, with the published values; save_draft writes them unless the config carries its own.
+PUBLISHED_DEFAULTS: dict[str, Any] = {
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "rope_scaling": None,
+    "sliding_window": None,
+    "use_cache": True,
+    "use_sliding_window": False,
+}
 
 
 @dataclass
@@ -41,6 +62,9 @@ class DraftConfig:
     rope_theta: float = 1_000_000.0
     num_target_layers: int = 0
     model_type: str = "qwen3"
+    max_position_embeddings: int = 32768  # the target's context length (RoPE scaling needs it)
+    tie_word_embeddings: bool = False  # the target's; the draft has no lm_head either way
+    rope_scaling: dict | None = None  # as in the target's config (e.g. llama3, yarn); None: plain
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -49,16 +73,38 @@ class DraftConfig:
         missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dc]
         if missing:
             raise ValueError(f"draft config.json lacks dflash_config.{', '.join(missing)}")
-        rope = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta") or 1e6
+        rope_params = d.get("rope_parameters") or {}  # transformers v5 spelling
+        rope = d.get("rope_theta") or rope_params.get("rope_theta") or 1e6
+        scaling = d.get("rope_scaling")
+        if scaling is None and rope_params.get("rope_type", "default") != "default":
+            scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         heads = d["num_attention_heads"]
+        n_layers = d["num_hidden_layers"]
+        unsupported = []
+        if d.get("attention_bias"):
+            unsupported.append("attention_bias: true")
+        kinds = set(d.get("layer_types") or ["full_attention"])
+        if kinds - {"full_attention"}:
+            unsupported.append(f"layer_types {sorted(kinds - {'full_attention'})}")
+        if d.get("layer_types") and len(d["layer_types"]) != n_layers:
+            unsupported.append(f"{len(d['layer_types'])} layer_types for {n_layers} layers")
+        if unsupported:
+            raise ValueError("this draft needs what dflash's draft model does not implement: "
+                             + "; ".join(unsupported))
         known = {
             "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
             "num_key_value_heads", "head_dim", "vocab_size", "block_size", "rms_norm_eps",
             "rope_theta", "num_target_layers", "model_type", "dflash_config", "architectures",
+            "max_position_embeddings", "tie_word_embeddings", "rope_scaling", "layer_types",
+            "max_window_layers", "quantization",
         }
+        extra = {k: v for k, v in d.items() if k not in known}
+        dc_rest = {k: v for k, v in dc.items() if k not in ("mask_token_id", "target_layer_ids")}
+        if dc_rest:  # other dflash_config keys (e.g. a variant's own), kept as they were
+            extra["dflash_config"] = dc_rest
         return cls(
             hidden_size=d["hidden_size"],
-            num_hidden_layers=d["num_hidden_layers"],
+            num_hidden_layers=n_layers,
             intermediate_size=d["intermediate_size"],
             num_attention_heads=heads,
             num_key_value_heads=d.get("num_key_value_heads", heads),
@@ -66,25 +112,33 @@ class DraftConfig:
             vocab_size=d["vocab_size"],
             target_layer_ids=list(dc["target_layer_ids"]),
             mask_token_id=int(dc["mask_token_id"]),
-            block_size=int(d.get("block_size", 16)),
+            block_size=int(d.get("block_size", dc.get("block_size", 16))),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope),
-            num_target_layers=d.get("num_target_layers", 0),
+            num_target_layers=d.get("num_target_layers") or dc.get("num_target_layers") or 0,
             model_type=d.get("model_type", "qwen3"),
-            extra={k: v for k, v in d.items() if k not in known},
+            max_position_embeddings=int(d.get("max_position_embeddings") or 32768),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            rope_scaling=scaling,
+            extra=extra,
         )
 
     def to_dict(self) -> dict[str, Any]:
+        """The published config.json shape: every key a z-lab draft and dflash-mlx's loader read."""
         d = asdict(self)
         extra = d.pop("extra")
         d["dflash_config"] = {
+            **(extra.pop("dflash_config", None) or {}),
             "mask_token_id": d.pop("mask_token_id"),
             "target_layer_ids": d.pop("target_layer_ids"),
         }
+        if not self.num_target_layers:  # old configs: at least the highest captured layer + 1
+            d["num_target_layers"] = max(self.target_layer_ids) + 1
         d["architectures"] = ["DFlashDraftModel"]
-        d["tie_word_embeddings"] = False
         d["layer_types"] = ["full_attention"] * self.num_hidden_layers
-        return {**extra, **d}
+        d["max_window_layers"] = self.num_hidden_layers
+        out = {**PUBLISHED_DEFAULTS, **extra, **d}
+        return dict(sorted(out.items()))
 
 
 class DraftAttention(nn.Module):
@@ -99,7 +153,8 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(h * hd, d, bias=False)
         self.q_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
         self.k_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
-        self.rope = nn.RoPE(hd, traditional=False, base=cfg.rope_theta)
+        self.rope = initialize_rope(hd, cfg.rope_theta, False, cfg.rope_scaling,
+                                    cfg.max_position_embeddings)
 
     def _kv(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
         B, L, _ = x.shape
@@ -244,20 +299,31 @@ def load_draft(path: str | Path, dtype: mx.Dtype | None = None) -> DFlashDraft:
 
 
 def save_draft(model: DFlashDraft, path: str | Path, extra_config: dict | None = None) -> None:
-    """Write the draft in the published format (config.json + model.safetensors)."""
+    """Write the draft in the published format (config.json + model.safetensors).
+
+    The config carries every key of a published DFlash config (DraftConfig.to_dict) plus the
+    weights' dtype; `extra_config` adds or overrides keys (e.g. the target's bos/eos ids).
+    Only the draft's own weights are written: never an embedding or an lm_head.
+    """
     from mlx.utils import tree_flatten
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = model.config.to_dict()
+    weights = dict(tree_flatten(model.parameters()))
+    borrowed = [k for k in weights if k.startswith(("embed_tokens", "lm_head"))]
+    if borrowed:
+        raise ValueError(f"a DFlash draft uses the target's embedding and LM head; got {borrowed}")
+    cfg["dtype"] = str(model.fc.weight.dtype).replace("mlx.core.", "")
     if extra_config:
         cfg.update(extra_config)
-    weights = dict(tree_flatten(model.parameters()))
     qlayers = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
     if qlayers:
         cfg["quantization"] = {"group_size": qlayers[0].group_size, "bits": qlayers[0].bits}
+    else:
+        cfg.pop("quantization", None)
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def quantize_draft(model: DFlashDraft, bits: int = 4, group_size: int = 64) -> None:

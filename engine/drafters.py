@@ -4,6 +4,8 @@ The engine sees one small interface: reset() per request, add_context() with the
 features of newly committed tokens, and propose() for the block that follows an anchor.
 The oracle replays known greedy ids (optionally corrupted at chosen block positions): it is
 how tests pin acceptance exactly and how `dflash benchmark --oracle` measures the ceiling.
+Under sampling, propose() gets `sampling` and returns (ids, q): q holds the probs the ids were
+drawn from, or None for a drafter that only gives ids (verify then takes q one-hot).
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from typing import Protocol, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from . import sampling as sampling_mod
 from .draft import DFlashDraft
+from .sampling import DraftSampling
 from .sparse import PositionedKVCache
 from .target import TargetModel
 
@@ -32,11 +36,19 @@ class Drafter(Protocol):
 
     def add_context(self, features: mx.array) -> None: ...
 
-    def propose(self, anchor: mx.array, anchor_pos: int, count: int | None = None) -> mx.array:
+    def propose(
+        self,
+        anchor: mx.array,
+        anchor_pos: int,
+        count: int | None = None,
+        sampling: DraftSampling | None = None,
+    ) -> mx.array | tuple[mx.array, mx.array | None]:
         """Draft ids for positions anchor_pos+1 .. anchor_pos+count (default B-1), lazy.
 
         The block always runs whole (every position sees the full block); only `count` rows
         go through the LM head, the draft's biggest matmul, when the verify window is shorter.
+        With `sampling`: (ids, q), the ids drawn from q (count, V), or q None (ids only).
+        A drafter without the `sampling` parameter is used as an ids-only one.
         """
         ...
 
@@ -70,7 +82,13 @@ class DFlashDrafter:
     def add_context(self, features: mx.array) -> None:
         self.draft.add_context(features.astype(self.draft.fc.weight.dtype), self.cache)
 
-    def propose(self, anchor: mx.array, anchor_pos: int, count: int | None = None) -> mx.array:
+    def propose(
+        self,
+        anchor: mx.array,
+        anchor_pos: int,
+        count: int | None = None,
+        sampling: DraftSampling | None = None,
+    ) -> mx.array | tuple[mx.array, mx.array]:
         if self.context_len != anchor_pos:
             raise RuntimeError(
                 f"draft context holds {self.context_len} rows, anchor is at {anchor_pos}"
@@ -78,11 +96,18 @@ class DFlashDrafter:
         block = mx.concatenate([anchor.reshape(1).astype(mx.int32), self._masks])[None]
         h = self.draft(self.target.embed(block), anchor_pos, self.cache)
         rows = h[:, 1 : 1 + (self.block_size - 1 if count is None else count)]
-        return mx.argmax(self.target.lm_head(rows), axis=-1)[0].astype(mx.int32)
+        if sampling is None:
+            return mx.argmax(self.target.lm_head(rows), axis=-1)[0].astype(mx.int32)
+        q = sampling_mod.probs(self.target.lm_head(rows)[0], sampling.params)
+        return sampling_mod.draw(q, sampling.key), q
 
 
 class OracleDrafter:
-    """Proposes the reference continuation (the target's own greedy ids), for tests/ceilings."""
+    """Proposes the reference continuation (the target's own greedy ids), for tests/ceilings.
+
+    Under sampling it is an ids-only drafter (q one-hot): the reference is accepted with the
+    target's probability of each token, and the output is still exactly the target's sampler.
+    """
 
     def __init__(
         self,
@@ -109,7 +134,13 @@ class OracleDrafter:
     def add_context(self, features: mx.array) -> None:
         pass
 
-    def propose(self, anchor: mx.array, anchor_pos: int, count: int | None = None) -> mx.array:
+    def propose(
+        self,
+        anchor: mx.array,
+        anchor_pos: int,
+        count: int | None = None,
+        sampling: DraftSampling | None = None,
+    ) -> mx.array | tuple[mx.array, None]:
         start = anchor_pos + 1 - self.prompt_len
         ids = []
         for j in range(1, 1 + (self.block_size - 1 if count is None else count)):
@@ -118,7 +149,8 @@ class OracleDrafter:
             if j in self.corrupt_at:
                 tok = (tok + 1) % self.vocab_size
             ids.append(tok)
-        return mx.array(ids, dtype=mx.int32)
+        drafts = mx.array(ids, dtype=mx.int32)
+        return drafts if sampling is None else (drafts, None)
 
 
 def check_fit(draft: DFlashDraft, target: TargetModel) -> None:

@@ -1,15 +1,17 @@
 """The DFlash decoding loop: prefill with capture, then draft -> verify -> accept -> rewind.
 
 `stream_dflash_generate` yields `TokenDelta`s and ends with one `Finished` carrying the stats.
-Every emitted token is the target's own greedy argmax; the draft only decides how many of them
-one target pass produces. The next cycle is queued (async) before the current tokens are handed
-out, so the device works while the caller consumes text. An in-flight cycle that turns out not to
-be needed (stop, cancel, caller closed the generator) is rewound in `finally`, which leaves the
-caches exactly at the committed tokens.
+Greedy (temperature 0): every emitted token is the target's own argmax. Sampling: the output is
+distributed exactly as the target's own sampler (speculative sampling, engine/sampling.py).
+Either way the draft only decides how many tokens one target pass produces. The next cycle is
+queued (async) before the current tokens are handed out, so the device works while the caller
+consumes text. An in-flight cycle that turns out not to be needed (stop, cancel, caller closed
+the generator) is rewound in `finally`, which leaves the caches exactly at the committed tokens.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -17,8 +19,10 @@ from typing import Any, Callable, Iterator, Sequence
 import mlx.core as mx
 
 from . import rollback, sparse
+from . import sampling as sampling_mod
 from .drafters import Drafter
 from .prefix import PrefixSession
+from .sampling import DraftSampling, KeyChain, SamplingParams
 from .target import TargetModel
 from .verify import Verified, verify
 from .window import VerifyWindow
@@ -81,15 +85,28 @@ def stream_dflash_generate(
     should_cancel: Callable[[], bool] | None = None,
     prefix_cache: Any | None = None,
     verify_window: str | int = "auto",
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
 ) -> Iterator[TokenDelta | Finished]:
-    """Greedy DFlash generation. Yields TokenDelta events, then one Finished with the stats.
+    """DFlash generation. Yields TokenDelta events, then one Finished with the stats.
+
+    temperature 0 (default) is greedy. Otherwise each token is distributed exactly as mlx-lm's
+    `make_sampler(temperature, top_p=top_p, top_k=top_k)` would draw it from the target (top-p
+    then top-k on the untempered log-probs; top_p 1 and top_k 0 are off). `seed` fixes the draws
+    (None: a random one); the same seed and the same verify windows give the same ids (the
+    "auto" window follows measured timings, so pin a window for bit-reproducible runs).
 
     verify_window: "auto" (default; see window.py), "full" (the whole block, as published), or
-    a fixed number of tokens per verify (2..block size). Never changes the output, only the speed.
+    a fixed number of tokens per verify (2..block size). Never changes the output (greedy) or its
+    distribution (sampling), only the speed.
 
     prefix_cache (e.g. dflash.cache.tiers.PrefixCache; not used with sparse prefill): resume
     from the longest stored prefix of the prompt and store snapshots of this prompt's prefill.
     """
+    params = SamplingParams(temperature, top_p, top_k, seed)
+    keys = None if params.greedy else KeyChain(params.seed)  # None: greedy, no randomness
     positions: list[int] | None = None
     if prompt_tokens_override is not None or prompt_token_positions is not None:
         if prompt_tokens_override is None or prompt_token_positions is None:
@@ -135,7 +152,10 @@ def stream_dflash_generate(
     if start < len(ids):  # a whole-prompt hit restored the last logits: no forward needed
         logits = _prefill(target, drafter, caches, ids, prefill_chunk, positions, start, session)
     rollback.quantize_kv(caches, kv_bits, kv_group_size)
-    anchor = mx.argmax(logits[0, -1]).astype(mx.int32)
+    if keys is None:
+        anchor = mx.argmax(logits[0, -1]).astype(mx.int32)
+    else:
+        anchor = sampling_mod.draw(sampling_mod.probs(logits[0, -1], params), keys.next())
     first = anchor.item()
     t_first = time.perf_counter()
     stats.ttft_s = t_first - t_start
@@ -148,11 +168,41 @@ def stream_dflash_generate(
     verified_tokens = 0
 
     no_drafts = mx.zeros((0,), mx.int32)  # a plain step verifies the anchor alone
+    drafter_samples = "sampling" in inspect.signature(drafter.propose).parameters
+    # Feature rows of committed tokens reach the draft in one add_context per draft cycle, not one
+    # per plain step (dozens of tiny ops each, all run at the next draft cycle); a fixed window
+    # of 1 never drafts, so it feeds nothing.
+    pending: list[mx.array] = []
+    feeds_draft = window.fixed != 1
+
+    def feed(rows: mx.array) -> None:
+        if feeds_draft:
+            pending.append(rows)
+            if len(pending) >= 256:
+                flush()
+
+    def flush() -> None:
+        if pending:
+            drafter.add_context(pending[0] if len(pending) == 1 else mx.concatenate(pending, axis=1))
+            pending.clear()
+
+    def check(anchor: mx.array, drafts: mx.array, q: mx.array | None = None) -> Verified:
+        if keys is None:
+            return verify(target, caches, anchor, drafts, record_tape)
+        return verify(target, caches, anchor, drafts, record_tape, params, keys.next(), q)
 
     def launch(anchor: mx.array, pos: int) -> Verified:
         k = window.next()  # 1: a plain decode step, no draft pass (see window.py)
-        drafts = drafter.propose(anchor, pos, k - 1) if k > 1 else no_drafts
-        return verify(target, caches, anchor, drafts, record_tape)
+        if k == 1:
+            return check(anchor, no_drafts)
+        flush()
+        if keys is None:
+            return check(anchor, drafter.propose(anchor, pos, k - 1))
+        draft_key = keys.next()  # taken by every drafter: the verify draws never depend on its kind
+        if not drafter_samples:  # it gives ids only: q is one-hot at them
+            return check(anchor, drafter.propose(anchor, pos, k - 1))
+        drafts, q = drafter.propose(anchor, pos, k - 1, sampling=DraftSampling(params, draft_key))
+        return check(anchor, drafts, q)
 
     try:
         done = out.push([first], [False], eos, max_tokens)
@@ -170,8 +220,8 @@ def stream_dflash_generate(
                 # A plain step keeps its one token, so the next plain step can be queued on that
                 # token while it is still on the device, before this one is read (as mlx-lm's
                 # decode loop does); if this token ends generation, `finally` undoes it.
-                drafter.add_context(cyc.features)
-                inflight = verify(target, caches, cyc.greedy[0], no_drafts, record_tape)
+                feed(cyc.features)
+                inflight = check(cyc.tokens[0], no_drafts)
                 ahead = True
             values = cyc.summary.tolist()  # the one host sync of the cycle
             now = time.perf_counter()
@@ -180,7 +230,7 @@ def stream_dflash_generate(
             n_keep = accepted + 1
             rollback.rewind(caches, target.layers, n_keep, cyc.block_len, cyc.tape)
             if not ahead:
-                drafter.add_context(cyc.features[:, :n_keep])
+                feed(cyc.features[:, :n_keep])
             stats.cycles += 1
             stats.plain_steps += cyc.block_len == 1
             stats.accepted_drafts += accepted
@@ -191,7 +241,7 @@ def stream_dflash_generate(
             done = out.push(new, [True] * accepted + [False], eos, max_tokens)
             pos += n_keep
             if not done and not ahead:
-                inflight = launch(cyc.greedy[accepted], pos)
+                inflight = launch(cyc.tokens[accepted], pos)
             yield from out.drain()
             done = done or out.reason != ""
         reason = out.reason or "length"

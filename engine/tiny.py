@@ -198,6 +198,8 @@ def build_draft(
         block_size=block_size,
         rope_theta=10000.0,
         num_target_layers=n_target,
+        max_position_embeddings=target_cfg.get("max_position_embeddings", 32768),
+        tie_word_embeddings=bool(target_cfg.get("tie_word_embeddings", False)),
     )
     mx.random.seed(seed)
     save_draft(DFlashDraft(cfg), path)

@@ -1,7 +1,9 @@
-"""The verify step: the target scores a whole block in one pass; greedy acceptance on device.
+"""The verify step: the target scores a whole block in one pass; acceptance on device.
 
-Acceptance is computed with MLX ops so the cycle needs a single host read (the summary array:
-accepted count + the target's greedy ids) and nothing scales with the vocabulary in Python.
+Greedy (no sampling params): a draft is kept while it equals the target's argmax. Sampling:
+speculative sampling (engine/sampling.py), exact for any draft. Either way acceptance is MLX
+ops, so the cycle needs a single host read (the summary array: accepted count + the emitted
+ids) and nothing scales with the vocabulary in Python.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from typing import Any
 
 import mlx.core as mx
 
+from . import sampling as sampling_mod
 from . import tape as tape_mod
+from .sampling import SamplingParams
 from .target import TargetModel
 
 
@@ -20,10 +24,10 @@ class Verified:
     """One verify pass, still lazy until `summary` is read."""
 
     block_len: int
-    greedy: mx.array  # (B,) target argmax after each block position
+    tokens: mx.array  # (B,) slot i: the token emitted after block position i if i <= accepted
     features: mx.array  # [1, B, K*D] captured target features of the block
     tape: tape_mod.Tape | None
-    summary: mx.array  # (1 + B,): [accepted drafts, greedy ids...]
+    summary: mx.array  # (1 + B,): [accepted drafts, tokens...]
 
 
 def greedy_accept(drafts: mx.array, greedy: mx.array) -> mx.array:
@@ -38,14 +42,25 @@ def verify(
     anchor: mx.array,
     drafts: mx.array,
     record_tape: bool,
+    sampling: SamplingParams | None = None,
+    key: mx.array | None = None,
+    q: mx.array | None = None,
 ) -> Verified:
-    """Run the target once over [anchor, drafts...] and queue acceptance; does not sync."""
+    """Run the target once over [anchor, drafts...] and queue acceptance; does not sync.
+
+    Greedy when `sampling` is None; otherwise `key` drives the draws and `q` (k, V) holds the
+    probs the drafts were drawn from (None: a deterministic drafter, q one-hot at the drafts).
+    """
     block = mx.concatenate([anchor.reshape(1).astype(mx.int32), drafts.astype(mx.int32)])[None]
     tp = tape_mod.Tape() if record_tape else None
     with tape_mod.recording(tp):
         logits, features = target.forward(block, caches)
-    greedy = mx.argmax(logits[0], axis=-1).astype(mx.int32)
-    accepted = greedy_accept(drafts, greedy)
-    summary = mx.concatenate([accepted.reshape(1).astype(mx.int32), greedy])
+    if sampling is None:
+        tokens = mx.argmax(logits[0], axis=-1).astype(mx.int32)
+        accepted = greedy_accept(drafts, tokens)
+    else:
+        p = sampling_mod.probs(logits[0], sampling)
+        accepted, tokens = sampling_mod.accept(p, drafts.astype(mx.int32), q, key)
+    summary = mx.concatenate([accepted.reshape(1).astype(mx.int32), tokens])
     mx.async_eval(summary, features)
-    return Verified(block.shape[1], greedy, features, tp, summary)
+    return Verified(block.shape[1], tokens, features, tp, summary)

@@ -15,12 +15,22 @@ which times a step; draft cycles are timed too, and d follows. When no window be
 step (rate < 1), "auto" keeps decoding plainly and drafts now and then to notice when the text
 turns predictable: after `probe_every` plain steps, a gap that doubles after every probe that
 does not pay (up to `max_probe_gap`) and resets when one does or has all its drafts accepted.
+A probe verifies `probe_window` tokens (one draft): the draft pass still runs whole, but the LM
+head and the verify are at their cheapest, so a probe costs about one plain step more.
 The output never depends on any of this: only the speed does.
+
+Measurement hygiene (what keeps "auto" at acceptance ~0 close to plain decoding): a step's time is
+the median of the last few plain steps (the first one after a draft cycle is not pipelined and
+would inflate an average); the first draft cycle's time is not used (it also projects the whole
+prompt into the draft's context); the first usable measurement of d replaces the prior instead
+of being averaged with it, so a draft that does not pay is found out within a few cycles.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
+from collections import deque
 
 import mlx.core as mx
 
@@ -38,9 +48,10 @@ class VerifyWindow:
     """
 
     def __init__(self, block_size: int, policy: str | int = "auto", allow_plain: bool = True,
-                 decay: float = 0.9, probe_every: int = 8, max_probe_gap: int = 64,
-                 remeasure_every: int = 64):
+                 decay: float = 0.9, probe_every: int = 8, max_probe_gap: int = 128,
+                 remeasure_every: int = 64, probe_window: int = 2):
         self.block_size = block_size
+        self.probe_window = probe_window
         self.allow_plain = allow_plain
         if policy == "auto":
             self.fixed = None
@@ -59,9 +70,12 @@ class VerifyWindow:
         self.max_probe_gap = max_probe_gap
         self._probe_gap = probe_every
         self.remeasure_every = remeasure_every
-        self.successes, self.failures = 4.0, 1.0  # prior: p = 0.8
+        self.successes, self.failures = 2.0, 0.5  # prior: p = 0.8, worth ~2.5 cycles
         self.c, self.d = _costs()
-        self.step_s: float | None = None  # measured seconds of a plain step (EMA)
+        self.step_s: float | None = None  # measured seconds of a plain step (recent median)
+        self._steps: deque[float] = deque(maxlen=9)
+        self._draft_cycles = 0  # observed draft cycles; the first one's time is not used
+        self._d_measured = False
         self.cycles = 0
         self._since_draft = 0  # plain cycles since the last draft cycle
         self._since_step = 0  # draft cycles since the last timed plain step
@@ -88,10 +102,12 @@ class VerifyWindow:
         k, rate = self._best
         if not self.allow_plain:
             return k
-        if self.cycles >= 2 and (self.step_s is None or self._since_step >= self.remeasure_every):
+        if self.cycles >= 1 and (self.step_s is None or self._since_step >= self.remeasure_every):
             return 1  # time a plain step: early, then again as the context grows
-        if rate < 1.0 and self._since_draft < self._probe_gap:
-            return 1  # drafting does not pay at this acceptance: decode plainly for a while
+        if rate < 1.0:
+            if self._since_draft < self._probe_gap:
+                return 1  # drafting does not pay at this acceptance: decode plainly for a while
+            return min(k, self.probe_window)  # a probe: the cheapest window that tests the draft
         return k
 
     def observe(self, window: int, accepted: int, seconds: float | None = None) -> None:
@@ -101,15 +117,19 @@ class VerifyWindow:
             self._since_draft += 1
             self._since_step = 0
             if seconds is not None and seconds > 0:
-                self.step_s = seconds if self.step_s is None else 0.7 * self.step_s + 0.3 * seconds
+                self._steps.append(seconds)
+                self.step_s = statistics.median(self._steps)
             return
         self._since_draft = 0
         self._since_step += 1
+        self._draft_cycles += 1
         self.successes = self.successes * self.decay + accepted
         self.failures = self.failures * self.decay + (1 if accepted < window - 1 else 0)
-        if self.fixed is None and seconds is not None and self.step_s:
-            d = seconds / self.step_s - 1.0 - self.c * (window - 1)
-            self.d = 0.8 * self.d + 0.2 * min(max(d, 0.0), 8.0)
+        if (self.fixed is None and seconds is not None and self.step_s
+                and self._draft_cycles > 1):
+            d = min(max(seconds / self.step_s - 1.0 - self.c * (window - 1), 0.0), 8.0)
+            self.d = 0.8 * self.d + 0.2 * d if self._d_measured else d
+            self._d_measured = True
         self._best = self.best()
         if accepted < window - 1 and self._best[1] < 1.0:  # drafting does not pay: probe less often
             self._probe_gap = min(self._probe_gap * 2, self.max_probe_gap)

@@ -1,13 +1,23 @@
 #!/usr/bin/env bash
-# How the default pair's draft was trained and benchmarked on the lent H200 (MLX-CUDA), in steps
-# that fit the device tool's 10-minute calls. Run from the repo root after
-# `source .device/N/activate.sh` (shared/device/mlx-cuda-prepare.sh with the bf16 SmolLM2 tar).
-#   start BUDGET_S  - unpack the target, start training in the background (own session)
-#   wait MAX_S      - wait for training to finish (or MAX_S), print progress
-#   pack            - copy the draft + reports into $OUT (safetensors split into 15 MB parts)
-#   bench [FLAGS]   - dflash benchmark of target + draft into $OUT (FLAGS added, e.g. --chat)
-#   ttft            - prefix-cache TTFT (cold / L1 / L2) on a 4K-token prompt into $OUT
-#                     (needs EXTRA="pyzmq==27.3.0 diskcache==5.6.3" when staging)
+# The SmolLM2 draft's training campaign and benchmarks on lent H200s (MLX-CUDA), in steps that fit
+# the device tool's 10-minute calls. Run from the repo root after `source .device/N/activate.sh`
+# (shared/device/mlx-cuda-prepare.sh with the SmolLM2 GGUF and a copy of its imported tokenizer files
+# as smoltok/: EXTRA=gguf==0.19.0, see scripts/h200_target.py). NGPU=2 (on nvidia-h200-x2): data
+# parallel over both GPUs through mlx.launch/NCCL (see scripts/train_smollm2_h200.sh).
+#   data [PROMPTS_GZ]   - generate the data cache in the background (prompts + responses; resumable);
+#                         PROMPTS_GZ: the campaign's derived prompts brought back by an earlier
+#                         `pack` (benchmark/training/campaign/derived_prompts.jsonl.gz): the same
+#                         prompts again, so only the (greedy, deterministic) responses are redone
+#   start BUDGET_S [CK] - a training session in the background: BUDGET_S of training after the
+#                         compile steps; CK = a checkpoint folder to --resume (e.g. the committed
+#                         benchmark/training/campaign/checkpoint); without CK: a new campaign
+#   wait MAX_S          - wait for the background job to finish (or MAX_S), print progress
+#   pack                - the checkpoint parts (bf16, <= 15 MB each) + config/trainer/index + a
+#                         reports tar + the derived prompts (gzip) into $OUT (8 files, ~50 MB:
+#                         within the tool's 8 x 16 MiB, 64 MiB in all)
+#   bench [FLAGS]       - dflash benchmark of target + draft into $OUT (FLAGS added, e.g. --chat)
+#   ttft                - prefix-cache TTFT (cold / L1 / L2) on a 4K-token prompt into $OUT
+#                         (needs EXTRA="pyzmq==27.3.0 diskcache==5.6.3" when staging)
 set -uo pipefail
 MODEL=/tmp/stage/files/smol-bf16
 TRAIN=/tmp/train_out
@@ -18,33 +28,57 @@ ns() {
   for d in engine cache daemon client launchd; do ln -sfn "$PWD/$d" "/tmp/ns/dflash/$d"; done
   export PYTHONPATH=/tmp/ns:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 }
+model() {  # the bf16 target, rebuilt from the staged GGUF + tokenizer files (scripts/h200_target.py)
+  [ -d "$MODEL" ] || python3 scripts/h200_target.py /tmp/stage/files/SmolLM2-135M-Instruct.Q4_1.gguf \
+    /tmp/stage/files/smoltok "$MODEL"
+}
+bg() {  # run the training script in its own session, detached from this call
+  setsid nohup bash -c "bash scripts/train_smollm2_h200.sh $MODEL $TRAIN $*; echo TRAIN_DONE" \
+    > "$LOG" 2>&1 < /dev/null &
+  sleep 5; tail -3 "$LOG"
+}
 case "$1" in
+  data)
+    model; ns
+    if [ -n "${2:-}" ] && [ ! -f "$TRAIN/data/derived_prompts.jsonl" ]; then
+      mkdir -p "$TRAIN/data" && gunzip -c "$2" > "$TRAIN/data/derived_prompts.jsonl"
+    fi
+    bg --data-only ;;
   start)
-    [ -d "$MODEL" ] || tar xf /tmp/stage/files/smol-bf16.tar -C /tmp/stage/files
-    ns
-    setsid nohup bash -c "bash scripts/train_smollm2_h200.sh $MODEL $TRAIN --time-budget-s $2 --ckpt-every 200 \
-      || bash scripts/train_smollm2_h200.sh $MODEL $TRAIN --time-budget-s $2 --no-compile --resume; echo TRAIN_DONE" \
-      > "$LOG" 2>&1 < /dev/null &
-    sleep 5; tail -3 "$LOG" ;;
+    model; ns
+    RESUME=""
+    [ -n "${3:-}" ] && RESUME="--resume $PWD/$3"
+    bg --time-budget-s "$2" $RESUME ;;
+  ab)  # ab BUDGET_S INIT KL_A KL_B: two single-GPU arms at once (GPU 0: --kl-weight KL_A, GPU 1:
+       # KL_B), same data cache, same init and schedule; each evaluates on the held-out set at the end
+    model; ns
+    for arm in 0 1; do
+      kl=$([ $arm = 0 ] && echo "$4" || echo "$5")
+      CUDA_VISIBLE_DEVICES=$arm DATA=$TRAIN/data setsid nohup bash -c "bash scripts/train_smollm2_h200.sh \
+        $MODEL /tmp/arm$arm --time-budget-s $2 --init-draft $3 --kl-weight $kl ${*:6}; echo TRAIN_DONE" \
+        > /tmp/arm$arm.log 2>&1 < /dev/null &
+    done
+    sleep 20; tail -2 /tmp/arm0.log /tmp/arm1.log ;;
+  abwait)  # abwait MAX_S
+    end=$((SECONDS + $2))
+    while [ $SECONDS -lt $end ] && ! { grep -q TRAIN_DONE /tmp/arm0.log && grep -q TRAIN_DONE /tmp/arm1.log; }; do sleep 10; done
+    for arm in 0 1; do echo "== arm $arm"; grep -E "^\[(eval|train)\]" /tmp/arm$arm.log | tail -12; done ;;
   wait)
     end=$((SECONDS + $2))
     while [ $SECONDS -lt $end ] && ! grep -q TRAIN_DONE "$LOG"; do sleep 10; done
-    grep -E "^\[(data|eval|train)\]" "$LOG" | tail -25; grep -q TRAIN_DONE "$LOG" && echo "training finished" ;;
+    grep -E "^\[(data|eval|train)\]" "$LOG" | tail -25; grep -q TRAIN_DONE "$LOG" && echo "finished" ;;
   pack)
-    ns
-    python3 -c "import sys, mlx.core as mx; from dflash.engine.draft import load_draft, save_draft
-save_draft(load_draft(sys.argv[1], dtype=mx.bfloat16), sys.argv[2])" "$TRAIN" /tmp/draft_bf16
-    (cd "$TRAIN" && tar cf "$OUT/reports.tar" --exclude=data --exclude=checkpoint --exclude=model.safetensors . \
-      && split -b 15M /tmp/draft_bf16/model.safetensors "$OUT/draft.safetensors.part_")
+    cp "$TRAIN"/checkpoint/model-*.safetensors "$TRAIN"/checkpoint/model.safetensors.index.json \
+       "$TRAIN"/checkpoint/config.json "$TRAIN"/checkpoint/trainer.json "$OUT"/
+    (cd "$TRAIN" && tar cf "$OUT/reports.tar" --exclude=data --exclude=checkpoint --exclude='*.safetensors' .)
+    cat "$TRAIN"/data/derived_prompts*.jsonl | gzip -9 > "$OUT/derived_prompts.jsonl.gz"
     ls -la "$OUT" ;;
   bench)
-    ns
-    [ -d "$MODEL" ] || tar xf /tmp/stage/files/smol-bf16.tar -C /tmp/stage/files
+    ns; model
     python3 -m dflash.engine.benchmark --model "$MODEL" --draft "$DRAFT" --contexts 128,1024 --max-tokens 256 \
       --repeats 3 --warmup 1 --cooldown 2 --label smollm2-135m-dflash-h200 --out "$OUT" "${@:2}" 2>&1 | tail -30 ;;
   ttft)
-    ns
-    [ -d "$MODEL" ] || tar xf /tmp/stage/files/smol-bf16.tar -C /tmp/stage/files
+    ns; model
     python3 -m dflash.cache.bench --model "$MODEL" --draft "$DRAFT" --tokens 4096 --repeats 3 \
       --out "$OUT/prefix_cache_ttft_smollm2_135m_h200.json" 2>&1 | tail -30 ;;
 esac

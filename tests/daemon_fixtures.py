@@ -122,7 +122,10 @@ def reference(tiny_pair: tuple[str, str], prompt, max_tokens: int, **kw) -> tupl
         _REF_PAIR[tiny_pair] = load_pair(*tiny_pair)
     pair = _REF_PAIR[tiny_pair]
     ids = prompt if prompt and isinstance(prompt[0], int) else build_prompt(pair.tokenizer, prompt, system=kw.get("system"))
-    for ev in stream_dflash_generate(pair.target, pair.drafter, pair.tokenizer, ids, max_tokens, stop=kw.get("stop", ())):
+    # sampling (and the window, which a seed needs fixed to repeat its ids) as the worker passes them
+    extra = {k: kw[k] for k in ("temperature", "top_p", "top_k", "seed", "verify_window") if k in kw}
+    for ev in stream_dflash_generate(pair.target, pair.drafter, pair.tokenizer, ids, max_tokens, stop=kw.get("stop", ()),
+                                     **extra):
         if isinstance(ev, Finished):
             return ev.text, ev.token_ids
     raise AssertionError("no Finished event")

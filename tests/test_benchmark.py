@@ -185,3 +185,99 @@ def test_chat_mode_one_row_per_question(tiny: Path, tmp_path: Path) -> None:
     assert all(row["lossless"] is True for row in data["summary"])
     with pytest.raises(ValueError, match="--chat needs a real model"):
         run_benchmark(BenchConfig(random_target="tiny", chat=True, out=str(tmp_path)), log=lambda s: None)
+
+
+# --- first-time lengths, the method, sampling ---------------------------------------------------
+def test_every_timed_run_decodes_at_first_time_shapes(tiny: Path, tmp_path: Path) -> None:
+    cfg = BenchConfig(model=str(tiny / "target"), draft=str(tiny / "draft"), contexts=CONTEXTS,
+                      max_tokens=MAX_TOKENS, repeats=2, cooldown=0, verify_iters=2,
+                      out=str(tmp_path), plot=False)
+    data, _ = run_benchmark(cfg, log=lambda s: None)
+    m = data["method"]
+    assert m["first_time_lengths"] is True and m["first_time_verified"] is True
+    assert m["revisited_runs"] == 0 and m["warmup_runs"] == 1 and m["repeats"] == 2
+    assert m["mlx_cuda_use_cudnn_sdpa"]["value"] is not None or sys.platform == "darwin"
+    prompts = [(r["engine"], r["prompt_tokens"]) for r in data["runs"]]
+    assert len(set(prompts)) == len(prompts)  # every run its own prompt length
+    for run in data["runs"]:
+        assert run["first_time"] is True and run["shapes"]["revisited_shapes"] == 0
+        assert run["lossless"] is True if run["engine"] == "dflash" else "lossless" not in run
+    for row in data["summary"]:
+        assert row["first_time"] is True and row["forward"]["first_time"] is True
+        assert row["forward"]["draft_ms"] > 0
+        ideal = row["tokens_per_cycle"] * row["forward"]["step_ms"] / (
+            row["forward"]["verify_ms"] + row["forward"]["draft_ms"])
+        assert row["ideal_speedup"] == pytest.approx(ideal)
+        assert row["fraction_of_ideal"] == pytest.approx(row["speedup"] / ideal)
+        assert len(row["baseline_runs_tps"]) == len(row["dflash_runs_tps"]) == 2
+
+
+def test_same_prompt_method_reports_its_revisits(tiny: Path, tmp_path: Path) -> None:
+    cfg = BenchConfig(model=str(tiny / "target"), draft=str(tiny / "draft"), contexts=[64],
+                      max_tokens=MAX_TOKENS, repeats=2, cooldown=0, verify_iters=0,
+                      first_time_lengths=False, out=str(tmp_path), plot=False)
+    data, _ = run_benchmark(cfg, log=lambda s: None)
+    assert data["method"]["first_time_lengths"] is False
+    assert data["method"]["first_time_verified"] is False  # the warm-up ran the same prompt
+    assert all(r["prompt_tokens"] == 64 and r["first_time"] is False for r in data["runs"])
+    assert data["summary"][0]["forward"] is None and data["lossless"] is True
+
+
+def test_oracle_on_a_decisive_random_target_takes_every_block(tmp_path: Path) -> None:
+    cfg = BenchConfig(random_target="tiny", oracle=True, draft_layers=1, contexts=[64],
+                      max_tokens=MAX_TOKENS + 1, repeats=3, cooldown=0, verify_iters=2,
+                      out=str(tmp_path), plot=False, dtype="bfloat16")
+    data, _ = run_benchmark(cfg, log=lambda s: None)
+    assert data["method"]["decisive_random_target"] is True and data["method"]["first_time_verified"]
+    dfl = [r for r in data["runs"] if r["engine"] == "dflash"]
+    assert len({r["prompt_tokens"] for r in dfl}) == 3  # the reference prompt + j of its ids
+    assert all(r["tokens_per_cycle"] == BLOCK and r["lossless"] for r in dfl)
+    assert data["summary"][0]["oracle_reference"]["every_draft_accepted"] is True
+
+
+def test_sampling_side_by_side(tiny: Path, tmp_path: Path) -> None:
+    output, data = _invoke(["--model", str(tiny / "target"), "--draft", str(tiny / "draft"),
+                            "--temperature", "0,0.7", "--top-k", "20", "--seed", "3"], tmp_path)
+    assert [(r["context"], r["temperature"]) for r in data["summary"]] == [
+        (c, t) for t in (0.0, 0.7) for c in CONTEXTS]
+    sampled = [r for r in data["runs"] if r["temperature"] == 0.7]
+    assert sampled and all(isinstance(r["seed"], int) for r in sampled)
+    assert len({r["seed"] for r in sampled}) == len(sampled)
+    assert all(r["lossless"] is None for r in sampled if r["engine"] == "dflash")
+    assert all(r["generated_tokens"] == MAX_TOKENS for r in sampled)
+    assert data["lossless"] is True and "lossless: null" in data["lossless_note"]
+    for row in data["summary"]:
+        assert row["lossless"] is (None if row["temperature"] else True)
+        assert row["acceptance"] >= 0 and row["tokens_per_cycle"] >= 1
+    assert data["config"]["temperatures"] == [0.0, 0.7] and data["config"]["top_k"] == 20
+    assert "temp" in output
+    with pytest.raises(ValueError, match="greedy only"):
+        run_benchmark(BenchConfig(model=str(tiny / "target"), oracle=True, temperatures=[0.5],
+                                  out=str(tmp_path)), log=lambda s: None)
+
+
+def test_ledger_and_planner() -> None:
+    from dflash.engine.benchplan import (
+        Planner, ShapeLedger, baseline_shapes, dflash_shapes, oracle_shapes)
+
+    ledger = ShapeLedger()
+    ledger.begin()
+    for o in range(90, 100):
+        ledger.record(512, 0) if o == 90 else None
+        ledger.record(1, o)
+    info = ledger.end(prompt_len=95)
+    assert info["first_time"] and info["decode_forwards"] == 5 and info["cache_lengths"] == [95, 100]
+    ledger.begin()
+    ledger.record(1, 97)
+    assert ledger.end(prompt_len=97)["revisited_shapes"] == 1
+    planner = Planner(ledger)
+    # a baseline of 10 tokens cannot touch offsets 90..99 again: nearest fresh lengths are outside
+    assert planner.nearest(95, lambda n: baseline_shapes(n, 10)) == 100
+    assert planner.nearest(80, lambda n: baseline_shapes(n, 9)) == 80
+    # M=16 verifies step by the block: another residue is new even inside a visited range
+    ledger.begin()
+    for k in range(3):
+        ledger.record(16, 200 + 16 * k)
+    ledger.end(prompt_len=200)
+    assert planner.nearest(200, lambda n: oracle_shapes(n, 32, 16), candidates=range(200, 205)) == 201
+    assert not planner.fresh(dflash_shapes(199, 32, 16))

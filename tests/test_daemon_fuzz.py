@@ -36,14 +36,15 @@ def _invalid_frames(rng: random.Random, n: int) -> list[list[bytes]]:
             m[name] = value
             out.append([msgpack.packb(m)])
         elif kind == 2:  # unknown op
-            out.append([msgpack.packb({"v": 1, "op": rng.choice(["", "run", "SUBMIT", "rm -rf", 5])})])
+            out.append([msgpack.packb({"v": P.VERSION, "op": rng.choice(["", "run", "SUBMIT", "rm -rf", 5])})])
         elif kind == 3:  # missing prompt / missing version / missing op
             m = _valid_submit()
             del m[rng.choice(["text", "v", "op"])]
             out.append([msgpack.packb(m)])
-        elif kind == 4:  # huge or zero max_tokens, bad priority, bad timeout
+        elif kind == 4:  # huge or zero max_tokens, bad priority, bad timeout, sampling out of range
             m = _valid_submit()
-            k, v = rng.choice([("max_tokens", 10**12), ("max_tokens", 0), ("priority", 10**9), ("timeout_s", -1.0)])
+            k, v = rng.choice([("max_tokens", 10**12), ("max_tokens", 0), ("priority", 10**9), ("timeout_s", -1.0),
+                               ("temperature", -1.0), ("top_p", 0.0), ("top_k", -1), ("seed", -1)])
             m[k] = v
             out.append([msgpack.packb(m)])
         elif kind == 5:  # empty prompts
@@ -55,7 +56,7 @@ def _invalid_frames(rng: random.Random, n: int) -> list[list[bytes]]:
             out.append([msgpack.packb(rng.choice([1, "x", [1, 2], None, {1: 2}, {"v": 1, 3: "op"}]))])
         elif kind == 7:  # wrong version
             m = _valid_submit()
-            m["v"] = rng.choice([0, 2, "1", None, 1.0001])
+            m["v"] = rng.choice([0, 1, P.VERSION + 1, "1", None, 1.0001])  # 1: the previous version
             out.append([msgpack.packb(m)])
         elif kind == 8:  # several frames in one message / empty frame
             out.append(rng.choice([[b"", b""], [msgpack.packb(_valid_submit()), b"x"], [b""]]))
@@ -77,7 +78,7 @@ def test_fuzzed_frames_all_answered_daemon_survives(make_daemon, tiny_pair):  # 
     rng = random.Random(1234)
     messages = _invalid_frames(rng, 3000)
     big = 2 * d.cfg.max_frame_bytes
-    messages += [[b"\x00" * (d.cfg.max_frame_bytes + 1)], [msgpack.packb({"v": 1, "op": "submit", "text": "a" * big})]]
+    messages += [[b"\x00" * (d.cfg.max_frame_bytes + 1)], [msgpack.packb({"v": P.VERSION, "op": "submit", "text": "a" * big})]]
     messages += [[codec.encode(P.Cancel(rid=5, job_id="nope"))], [codec.encode(P.JobStatus(rid=6, job_id=""))]]
 
     ctx = zmq.Context()
@@ -92,7 +93,11 @@ def test_fuzzed_frames_all_answered_daemon_survives(make_daemon, tiny_pair):  # 
                 sock.send_multipart(frames)
             for _ in batch:
                 assert sock.poll(10_000), f"no reply within 10s (batch at {start})"
-                reply = codec.decode_reply(sock.recv())
+                m = codec.decode_map(sock.recv())
+                if m.get("v") in P.OLDER_VERSIONS:  # a previous-version message is answered in its version
+                    assert (m["type"], m["code"]) == ("error", P.BAD_VERSION), m
+                    m = {**m, "v": P.VERSION}
+                reply = P.parse_reply(m)
                 assert isinstance(reply, P.Error), reply
                 codes[reply.code] = codes.get(reply.code, 0) + 1
         assert not sock.poll(300), "more replies than frames"
@@ -101,7 +106,7 @@ def test_fuzzed_frames_all_answered_daemon_survives(make_daemon, tiny_pair):  # 
         ctx.term()
 
     assert sum(codes.values()) == len(messages)
-    for code in (P.BAD_FRAME, P.BAD_REQUEST, P.UNKNOWN_OP, P.BAD_VERSION, P.TOO_LARGE, P.NOT_FOUND):
+    for code in (P.BAD_FRAME, P.BAD_REQUEST, P.UNKNOWN_OP, P.BAD_VERSION, P.TOO_LARGE, P.NOT_FOUND, P.BAD_SAMPLING):
         assert codes.get(code, 0) > 0, codes
     with d.client(timeout=20) as c:
         st = c.stats()

@@ -80,3 +80,129 @@ def test_missing_draft_files_are_clear(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
     with pytest.raises(ValueError, match="dflash_config"):
         load_draft(tmp_path)
+
+
+# --- interchangeable with the published drafts and with dflash-mlx ------------------------------
+# The shape of a published z-lab config.json (Qwen3-4B-DFlash-b16), sizes scaled down to the tiny
+# qwen3 target; every key is as published, including the ones only transformers reads.
+def _published_config(target_cfg: dict, layer_ids: list[int] = (0, 1)) -> dict:
+    n = 2
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "block_size": 16,
+        "bos_token_id": 151643,
+        "dflash_config": {"mask_token_id": target_cfg["vocab_size"] - 1, "target_layer_ids": list(layer_ids)},
+        "dtype": "bfloat16",
+        "eos_token_id": 151645,
+        "head_dim": 32,
+        "hidden_act": "silu",
+        "hidden_size": target_cfg["hidden_size"],
+        "initializer_range": 0.02,
+        "intermediate_size": 128,
+        "layer_types": ["full_attention"] * n,
+        "max_position_embeddings": 40960,
+        "max_window_layers": n,
+        "model_type": "qwen3",
+        "num_attention_heads": 2,
+        "num_hidden_layers": n,
+        "num_key_value_heads": 1,
+        "num_target_layers": target_cfg["num_hidden_layers"],
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "sliding_window": None,
+        "tie_word_embeddings": True,
+        "transformers_version": "4.57.3",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": target_cfg["vocab_size"],
+    }
+
+
+# What dflash-mlx's DFlashDraftModelArgs requires (no defaults there), read by its loader.
+DFLASH_MLX_REQUIRED = [
+    "model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+    "rms_norm_eps", "vocab_size", "num_key_value_heads", "max_position_embeddings", "rope_theta",
+    "head_dim", "tie_word_embeddings", "num_target_layers", "block_size",
+]
+TOOLING_ONLY = {"auto_map", "transformers_version", "bos_token_id", "eos_token_id"}
+
+
+def test_a_published_draft_loads_and_runs(tiny_dirs, pairs, tmp_path):
+    from dflash.engine.draft import DraftConfig
+
+    target_cfg = json.loads((tiny_dirs["qwen3"] / "config.json").read_text())
+    pair = pairs("qwen3")
+    layer_ids = pair.target.layer_ids  # the captured layers of the loaded pair
+    published = _published_config(target_cfg, layer_ids)
+    model = DFlashDraft(DraftConfig.from_dict(published))
+    from mlx.utils import tree_flatten
+
+    d = tmp_path / "published"
+    d.mkdir()
+    mx.save_safetensors(str(d / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (d / "config.json").write_text(json.dumps(published, indent=2))
+    draft = load_draft(d)
+    c = draft.config
+    assert (c.block_size, c.mask_token_id, c.target_layer_ids) == (16, target_cfg["vocab_size"] - 1, layer_ids)
+    assert (c.num_target_layers, c.max_position_embeddings, c.tie_word_embeddings) == (
+        target_cfg["num_hidden_layers"], 40960, True)
+    ids = pair.tokenizer.encode("The quick brown fox")
+    ref = cut_at_eos(greedy_reference(pair.target.model, ids, 24), set(pair.tokenizer.eos_token_ids))
+    final, _ = run_dflash(pair.target, DFlashDrafter(draft, pair.target), pair.tokenizer, ids, 24)
+    assert final.token_ids == ref
+    # saved again by us: every published key is still there with its value (tooling keys too),
+    # except dtype, which says what the weights are (these random ones are float32)
+    save_draft(draft, tmp_path / "resaved")
+    again = json.loads((tmp_path / "resaved" / "config.json").read_text())
+    for k, v in published.items():
+        assert again[k] == (v if k != "dtype" else "float32"), k
+
+
+def test_our_config_has_every_published_key(tiny_dirs, tmp_path):
+    target_cfg = json.loads((tiny_dirs["qwen3"] / "config.json").read_text())
+    ours = json.loads((tiny_dirs["qwen3"] / "draft" / "config.json").read_text())
+    published = _published_config(target_cfg)
+    assert set(published) - TOOLING_ONLY <= set(ours)
+    for k in DFLASH_MLX_REQUIRED:
+        assert ours[k] is not None, k
+    assert ours["architectures"] == ["DFlashDraftModel"] and ours["model_type"] == "qwen3"
+    assert ours["num_target_layers"] == target_cfg["num_hidden_layers"]
+    assert ours["max_position_embeddings"] == target_cfg["max_position_embeddings"]
+    assert ours["tie_word_embeddings"] == bool(target_cfg.get("tie_word_embeddings", False))
+    assert ours["layer_types"] == ["full_attention"] * ours["num_hidden_layers"]
+    assert ours["max_window_layers"] == ours["num_hidden_layers"]
+    assert ours["dtype"] == "float32" and ours["rope_scaling"] is None
+    assert ours["attention_bias"] is False and ours["use_sliding_window"] is False
+    assert 0 <= ours["dflash_config"]["mask_token_id"] < ours["vocab_size"]
+    assert all(0 <= i < ours["num_target_layers"] for i in ours["dflash_config"]["target_layer_ids"])
+    names = set(mx.load(str(tiny_dirs["qwen3"] / "draft" / "model.safetensors")))
+    assert not any(n.startswith(("lm_head", "embed_tokens", "model.")) for n in names)
+
+
+def test_save_load_save_is_stable(tiny_dirs, tmp_path):
+    src = tiny_dirs["qwen3"] / "draft"
+    save_draft(load_draft(src), tmp_path / "a")
+    save_draft(load_draft(tmp_path / "a"), tmp_path / "b")
+    a, b = (json.loads((tmp_path / x / "config.json").read_text()) for x in "ab")
+    assert a == b == json.loads((src / "config.json").read_text())
+    wa, wb = (mx.load(str(tmp_path / x / "model.safetensors")) for x in "ab")
+    assert set(wa) == set(wb) and all(mx.array_equal(wa[k], wb[k]) for k in wa)
+
+
+def test_what_our_draft_cannot_run_is_refused_clearly(tiny_dirs, tmp_path):
+    from dflash.engine.draft import DraftConfig
+
+    target_cfg = json.loads((tiny_dirs["qwen3"] / "config.json").read_text())
+    for change, msg in [({"attention_bias": True}, "attention_bias"),
+                        ({"layer_types": ["sliding_attention", "full_attention"],
+                          "sliding_window": 64}, "sliding_attention")]:
+        with pytest.raises(ValueError, match=msg):
+            DraftConfig.from_dict({**_published_config(target_cfg), **change})
+    draft = load_draft(tiny_dirs["qwen3"] / "draft")
+    draft.lm_head = mx.zeros((4, 4))  # a draft must never carry its own head
+    with pytest.raises(ValueError, match="lm_head"):
+        save_draft(draft, tmp_path / "bad")

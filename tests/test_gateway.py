@@ -45,7 +45,7 @@ def pair(tiny_pair, tmp_path_factory) -> tuple[str, str]:  # noqa: F811
 
 @pytest.fixture(scope="module")
 def daemon(pair):
-    d = Daemon(*pair)
+    d = Daemon(*pair, verify_window="full")  # fixed: a seed repeats its ids (greedy is the same under any)
     try:
         yield d.start()
     finally:
@@ -137,8 +137,9 @@ def test_chat_non_stream_is_lossless_with_usage(gw, pair, tok):
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt_len, len(ids))
     assert r.usage.total_tokens == prompt_len + len(ids)
     assert isinstance(r.usage.prompt_tokens_details.cached_tokens, int)
-    assert raw.headers["x-dflash-sampling"] == "greedy" and "x-dflash-sampling-ignored" not in raw.headers
+    assert "x-dflash-sampling-ignored" not in raw.headers  # nothing asked for goes unapplied
     assert r.id == "chatcmpl-" + raw.headers["x-dflash-job-id"]
+    assert r.model_extra["dflash"]["sampling"]["temperature"] == 0.0  # absent: the daemon's default, greedy
 
 
 def test_chat_stream_with_usage(gw):
@@ -203,25 +204,84 @@ def test_chat_template_kwargs_reach_the_template(gw, tok):
     assert status == 400 and _error(status, body)["param"] == "chat_template_kwargs"
 
 
-def test_sampling_fields_answered_greedily_or_refused(gw, daemon):
+SAMPLED = dict(temperature=0.9, top_p=0.95, seed=7)  # + top_k 40, an extra field (vLLM's)
+APPLIED = {"temperature": 0.9, "top_p": 0.95, "top_k": 40, "seed": 7}
+
+
+def test_sampling_is_applied(gw, pair, tok):
     c = gw.openai()
-    greedy = c.chat.completions.create(model="tiny-chat", messages=MSGS, max_tokens=8)
-    raw = c.chat.completions.with_raw_response.create(model="tiny-chat", messages=MSGS, max_tokens=8,
-                                                      temperature=0.9, top_p=0.5, seed=7)
-    assert raw.headers["x-dflash-sampling"] == "greedy"
-    assert raw.headers["x-dflash-sampling-ignored"] == "temperature,top_p"
-    assert raw.parse().choices[0].message.content == greedy.choices[0].message.content
-    strict = Gateway(daemon, "--sampling", "reject")
+    want, want_ids = reference(pair, MSGS, 16, **APPLIED, verify_window="full")
+    greedy, _ = reference(pair, MSGS, 16)
+    assert want != greedy
+    raw = c.chat.completions.with_raw_response.create(model="tiny-chat", messages=MSGS, max_tokens=16, **SAMPLED,
+                                                      extra_body={"top_k": 40})
+    r = raw.parse()
+    assert r.choices[0].message.content == want and r.usage.completion_tokens == len(want_ids)
+    assert "x-dflash-sampling-ignored" not in raw.headers and r.model_extra["dflash"]["sampling"] == APPLIED
+    again = c.chat.completions.create(model="tiny-chat", messages=MSGS, max_tokens=16, **SAMPLED, extra_body={"top_k": 40})
+    assert again.choices[0].message.content == want  # same seed, same text
+    chunks = c.chat.completions.create(model="tiny-chat", messages=MSGS, max_tokens=16, stream=True, **SAMPLED,
+                                       extra_body={"top_k": 40})
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
+    other = c.chat.completions.create(model="tiny-chat", messages=MSGS, max_tokens=16, **{**SAMPLED, "seed": 8},
+                                      extra_body={"top_k": 40})
+    assert other.choices[0].message.content == reference(pair, MSGS, 16, **{**APPLIED, "seed": 8}, verify_window="full")[0]
+    ids = list(tok.encode("Once upon a time"))  # /v1/completions too; top_k -1 is vLLM's "off" (0)
+    text = reference(pair, ids, 10, temperature=0.7, top_k=0, seed=3, verify_window="full")[0]
+    done = c.completions.create(model="tiny-chat", prompt=ids, max_tokens=10, temperature=0.7, seed=3,
+                                extra_body={"top_k": -1})
+    assert done.choices[0].text == text and done.model_extra["dflash"]["sampling"]["top_k"] == 0
+
+
+def test_unapplied_sampling_fields_are_named(gw, pair):
+    c = gw.openai()
+    want = reference(pair, MSGS, 8, **APPLIED, verify_window="full")[0]
+    raw = c.chat.completions.with_raw_response.create(
+        model="tiny-chat", messages=MSGS, max_tokens=8, **SAMPLED, presence_penalty=0.5, frequency_penalty=0,
+        logit_bias={"5": 2}, extra_body={"top_k": 40, "min_p": 0.0, "repetition_penalty": 1.1})
+    assert raw.headers["x-dflash-sampling-ignored"] == "presence_penalty,repetition_penalty,logit_bias"
+    assert raw.parse().choices[0].message.content == want  # the applied ones still are
+
+
+def test_bad_sampling_values_in_openai_shape(gw):
+    cases = [({"temperature": -1}, "invalid_value", "temperature"), ({"temperature": "hot"}, "invalid_type", "temperature"),
+             ({"top_p": 0}, "invalid_value", "top_p"), ({"top_p": 1.5}, "invalid_value", "top_p"),
+             ({"top_k": -2}, "invalid_value", "top_k"), ({"top_k": 2.5}, "invalid_type", "top_k"),
+             ({"seed": -3}, "invalid_value", "seed"), ({"seed": "7"}, "invalid_type", "seed")]
+    for extra, code, param in cases:
+        status, _, body = gw.http("POST", "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2, **extra})
+        err = _error(status, body)
+        assert (status, err["code"], err["param"]) == (400, code, param), (extra, err)
+    status, _, _ = gw.http("POST", "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2, "top_k": -1,
+                                                            "temperature": None, "seed": 7.0})
+    assert status == 200  # -1: off; null: absent; an integral float seed is an integer
+
+
+def test_sampling_policies_and_server_defaults(daemon, pair):
+    want = reference(pair, MSGS, 8, temperature=0.8, top_p=1.0, top_k=20, seed=5, verify_window="full")[0]
+    greedy = reference(pair, MSGS, 8)[0]
+    strict = Gateway(daemon, "--sampling", "reject", "--default-temperature", "0.8", "--default-top-k", "20")
     try:
         s = strict.openai(key="unused")  # no --api-key: no auth
-        with pytest.raises(openai.BadRequestError) as e:
-            s.chat.completions.create(model="tiny-chat", messages=MSGS, max_tokens=4, temperature=0.7)
-        assert e.value.status_code == 400 and e.value.body["param"] == "temperature"
-        assert e.value.body["code"] == "unsupported_sampling" and "greedily" in e.value.body["message"]
+        r = s.chat.completions.create(model="tiny-chat", messages=MSGS, max_tokens=8, seed=5)  # no temperature
+        assert r.choices[0].message.content == want
+        assert r.model_extra["dflash"]["sampling"] == {"temperature": 0.8, "top_p": 1.0, "top_k": 20, "seed": 5}
         ok = s.chat.completions.create(model="tiny-chat", messages=MSGS, max_tokens=8, temperature=0)
-        assert ok.choices[0].message.content == greedy.choices[0].message.content
+        assert ok.choices[0].message.content == greedy  # the request's own value wins
+        with pytest.raises(openai.BadRequestError) as e:
+            s.chat.completions.create(model="tiny-chat", messages=MSGS, max_tokens=4, frequency_penalty=0.3)
+        assert e.value.status_code == 400 and e.value.body["param"] == "frequency_penalty"
+        assert e.value.body["code"] == "unsupported_sampling"
     finally:
         strict.stop()
+    forced = Gateway(daemon, "--sampling", "greedy")
+    try:
+        raw = forced.openai(key="unused").chat.completions.with_raw_response.create(
+            model="tiny-chat", messages=MSGS, max_tokens=8, **SAMPLED, presence_penalty=1.0)
+        assert raw.parse().choices[0].message.content == greedy
+        assert raw.headers["x-dflash-sampling-ignored"] == "temperature,top_p,presence_penalty"
+    finally:
+        forced.stop()
 
 
 def test_models_health_metrics(gw):

@@ -41,17 +41,24 @@ def test_no_pickle_and_no_binary_surprises():
     assert b"pickle" not in frame and msgpack.unpackb(frame)["text"] == "é"
 
 
+V = P.VERSION
+
+
 @pytest.mark.parametrize(
     "frame,code",
     [
         (b"\xc1", P.BAD_FRAME),  # never-used msgpack byte
         (msgpack.packb([1, 2]), P.BAD_FRAME),
-        (msgpack.packb({"v": 2, "op": "stats"}), P.BAD_VERSION),
-        (msgpack.packb({"v": 1, "op": "nope"}), P.UNKNOWN_OP),
-        (msgpack.packb({"v": 1, "op": "submit", "max_tokens": "9"}), P.BAD_REQUEST),
-        (msgpack.packb({"v": 1, "op": "submit", "stream": 1}), P.BAD_REQUEST),  # bool is not int
-        (msgpack.packb({"v": 1, "op": "submit", "token_ids": [1, True]}), P.BAD_REQUEST),
-        (msgpack.packb({"v": 1, "op": "stats", "extra": 1}), P.BAD_REQUEST),
+        (msgpack.packb({"v": V + 1, "op": "stats"}), P.BAD_VERSION),
+        (msgpack.packb({"v": 1, "op": "stats"}), P.BAD_VERSION),  # the previous version
+        (msgpack.packb({"op": "stats"}), P.BAD_VERSION),
+        (msgpack.packb({"v": V, "op": "nope"}), P.UNKNOWN_OP),
+        (msgpack.packb({"v": V, "op": "submit", "max_tokens": "9"}), P.BAD_REQUEST),
+        (msgpack.packb({"v": V, "op": "submit", "stream": 1}), P.BAD_REQUEST),  # bool is not int
+        (msgpack.packb({"v": V, "op": "submit", "token_ids": [1, True]}), P.BAD_REQUEST),
+        (msgpack.packb({"v": V, "op": "stats", "extra": 1}), P.BAD_REQUEST),
+        (msgpack.packb({"v": V, "op": "submit", "temperature": "hot"}), P.BAD_REQUEST),
+        (msgpack.packb({"v": V, "op": "submit", "top_k": 2.5}), P.BAD_REQUEST),
         (msgpack.packb({1: 1}), P.BAD_FRAME),  # non-string keys
         (b"\x00" * 2048, P.TOO_LARGE),
     ],
@@ -63,7 +70,7 @@ def test_malformed_requests_raise_protocol_errors(frame, code):
 
 
 def test_peek_rid_names_the_request_even_when_invalid():
-    assert codec.peek_rid(msgpack.packb({"v": 1, "op": "x", "rid": 42})) == 42
+    assert codec.peek_rid(msgpack.packb({"v": V, "op": "x", "rid": 42})) == 42
     assert codec.peek_rid(b"\xc1garbage") == 0
 
 
@@ -127,3 +134,72 @@ def test_reply_structs_have_defaults_for_every_field():
     for cls in list(P.REQUESTS.values()) + list(P.REPLIES.values()):
         for f in dataclasses.fields(cls):
             assert f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+
+
+# ----------------------------------------------------------------------------- version 2: sampling
+
+# The submit fields of version 1, in their wire order: version 2 only appends.
+V1_SUBMIT = ["rid", "job_id", "text", "messages", "token_ids", "system", "raw", "max_tokens", "stop", "priority",
+             "stream", "timeout_s", "cache", "positions", "positions_name", "template_args"]
+
+
+def test_sampling_fields_are_appended_and_travel():
+    assert P.VERSION == 2 and P.OLDER_VERSIONS == (1,)
+    names = [f.name for f in dataclasses.fields(P.Submit)]
+    assert names == V1_SUBMIT + ["temperature", "top_p", "top_k", "seed"]
+    sub = P.Submit(rid=1, text="hi", temperature=0.7, top_p=0.9, top_k=40, seed=(1 << 64) - 1)
+    wire = P.to_map(sub)
+    assert list(wire)[-4:] == ["temperature", "top_p", "top_k", "seed"]
+    assert codec.decode_request(codec.encode(sub)) == sub
+    assert codec.decode_request(codec.encode(P.Submit(text="x", temperature=1))).temperature == 1  # int ok
+
+
+def test_sampling_rules():
+    P.check_sampling()  # all unset
+    P.check_sampling(0, 1, 0, 0)
+    P.check_sampling(2.5, 0.01, 50, (1 << 64) - 1)
+    for kw, param in [({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+                      ({"temperature": float("inf")}, "temperature"), ({"top_p": 0}, "top_p"),
+                      ({"top_p": 1.01}, "top_p"), ({"top_k": -1}, "top_k"), ({"top_k": True}, "top_k"),
+                      ({"seed": -1}, "seed"), ({"seed": 1 << 64}, "seed"), ({"seed": 1.0}, "seed")]:
+        with pytest.raises(P.ProtocolError) as e:
+            P.check_sampling(**kw)
+        assert (e.value.code, e.value.param) == (P.BAD_SAMPLING, param) and param in e.value.message
+
+
+def test_version_errors_name_both_versions():
+    with pytest.raises(P.ProtocolError) as e:
+        P.parse_request({"v": 1, "op": "submit", "text": "hi"})
+    assert e.value.code == P.BAD_VERSION and e.value.peer_version == 1
+    assert "version 1" in e.value.message and f"version {P.VERSION}" in e.value.message
+    with pytest.raises(P.ProtocolError) as e:
+        P.parse_reply({"v": 1, "type": "error", "code": "bad_version", "message": "old"})
+    assert e.value.code == P.BAD_VERSION and "reply is version 1" in e.value.message
+    # An error to an old peer can be written in its version (the layout is unchanged since 1).
+    old = P.to_map(P.Error(rid=3, code=P.BAD_VERSION, message="m"), version=1)
+    assert old["v"] == 1 and list(old) == ["v", "type", "rid", "code", "message", "job_id"]
+    # Stored results of the previous version are read as this version's.
+    done = P.to_map(P.Done(job_id="j", text="t"), version=1)
+    assert P.parse_reply(P.current_result(done)) == P.Done(job_id="j", text="t")
+    assert P.current_result({"v": 7, "type": "done"})["v"] == 7
+
+
+def test_generation_defaults_in_config(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('model = "/m"\nverify_window = "full"\n[generation]\ntemperature = 0.7\ntop_p = 0.9\ntop_k = 40\nseed = 5\n')
+    cfg = load_config(f, env={})
+    assert (cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed, cfg.verify_window) == (0.7, 0.9, 40, 5, "full")
+    cfg.validate()
+    assert DaemonConfig.from_json(cfg.to_json()) == cfg
+    assert load_config(f, env={"DFLASH_TEMPERATURE": "0", "DFLASH_SEED": "9"}).seed == 9
+    d = tmp_path / "d.toml"  # a [daemon] table with [generation] beside it
+    d.write_text('[daemon]\nmodel = "/m"\n[generation]\ntop_k = 3\n')
+    assert load_config(d, env={}).top_k == 3
+    assert DaemonConfig().temperature == 0.0 and DaemonConfig().seed is None  # greedy by default
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[generation]\nmin_p = 0.1\n")
+    with pytest.raises(ValueError, match=r"\[generation\] takes only"):
+        load_config(bad, env={})
+    for setting in ({"temperature": -1.0}, {"top_p": 0.0}, {"top_k": -2}, {"verify_window": "wide"}):
+        with pytest.raises(ValueError):
+            dataclasses.replace(DaemonConfig(), **setting).validate()

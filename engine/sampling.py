@@ -1,0 +1,155 @@
+"""Sampling: the distribution transforms and the speculative acceptance rule, in one place.
+
+The target's distribution p and the draft's q are the same transform of their logits, with
+mlx-lm's semantics (`make_sampler(temp, top_p=..., top_k=...)`): on the untempered log-probs,
+top-p keeps the most likely tokens until their mass reaches top_p (every token tied with the
+last one kept stays), then top-k keeps the k most likely (ties at the k-th place: the lower ids),
+then the temperature scales what is left. Computed in float32.
+
+Acceptance is standard speculative sampling, exact whatever the draft: draft x_i is kept with
+probability min(1, p_i(x_i) / q_i(x_i)); the first rejected position j emits a draw from
+normalise(max(0, p_j - q_j)); when every draft is kept, a draw from p at the next position.
+A drafter that only gives ids has q = one-hot at its ids. Everything is MLX ops over the whole
+block (and any leading batch axes), so a cycle still needs one host read.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy (top_p / top_k then change nothing); seed None draws one."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        t, p, k, s = self.temperature, self.top_p, self.top_k, self.seed
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0: off), got {k!r}")
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**64):
+            raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {s!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class DraftSampling:
+    """What a sampling drafter needs: the transform and the key for its draws."""
+
+    params: SamplingParams
+    key: mx.array
+
+
+class KeyChain:
+    """One MLX key per use, split off a request's seeded key: the same seed, the same draws."""
+
+    def __init__(self, seed: int | None):
+        self.seed = secrets.randbits(63) if seed is None else seed
+        self._key = mx.random.key(self.seed)
+
+    def next(self) -> mx.array:
+        self._key, sub = mx.random.split(self._key)
+        return sub
+
+
+def top_p_mask(logprobs: mx.array, top_p: float) -> mx.array:
+    """Keep (True) the most likely tokens until their mass reaches top_p, and their ties.
+
+    A token stays when the mass of the tokens ranked before it (most likely first) is below
+    top_p of the total; every token tied with the last one kept stays too.
+    """
+    desc = -mx.sort(-logprobs, axis=-1)
+    prob = mx.exp(desc)
+    mass_before = mx.cumsum(prob, axis=-1, inclusive=False)
+    total = mass_before[..., -1:] + prob[..., -1:]
+    n_keep = (mass_before < top_p * total).sum(axis=-1, keepdims=True)  # >= 1
+    lowest_kept = mx.take_along_axis(desc, n_keep - 1, axis=-1)
+    return logprobs >= lowest_kept
+
+
+def top_k_mask(logprobs: mx.array, top_k: int) -> mx.array:
+    """Keep (True) exactly the k most likely tokens; ties at the k-th place go to the lower ids."""
+    kth = mx.topk(logprobs, top_k, axis=-1).min(axis=-1, keepdims=True)
+    above = logprobs > kth
+    tied = logprobs == kth
+    room = top_k - above.sum(axis=-1, keepdims=True)
+    return above | (tied & (mx.cumsum(tied.astype(mx.int32), axis=-1) <= room))
+
+
+def filter_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
+    """Log-probs (float32) with the tokens outside top-p, then top-k, set to -inf."""
+    x = logits.astype(mx.float32)
+    lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    if params.top_p < 1.0:
+        lp = mx.where(top_p_mask(lp, params.top_p), lp, -mx.inf)
+    if 0 < params.top_k < lp.shape[-1]:
+        lp = mx.where(top_k_mask(lp, params.top_k), lp, -mx.inf)
+    return lp
+
+
+def probs(logits: mx.array, params: SamplingParams) -> mx.array:
+    """The sampling distribution over the last axis (p for the target, q for the draft)."""
+    return mx.softmax(filter_logprobs(logits, params) * (1.0 / params.temperature), axis=-1)
+
+
+def draw(p: mx.array, key: mx.array) -> mx.array:
+    """One token id per row of p (int32); zero-probability tokens are never drawn."""
+    return mx.random.categorical(mx.log(p), axis=-1, key=key).astype(mx.int32)
+
+
+def residual(p: mx.array, q: mx.array) -> mx.array:
+    """normalise(max(0, p - q)): where a rejection's token comes from (p itself if p <= q)."""
+    r = mx.maximum(p - q, 0.0)
+    mass = r.sum(axis=-1, keepdims=True)
+    return mx.where(mass > 0, r / mx.where(mass > 0, mass, 1.0), p)
+
+
+def accept(
+    p: mx.array, drafts: mx.array, q: mx.array | None, key: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Speculative sampling over a block: (accepted count, the k+1 emitted-token slots).
+
+    p: (..., k+1, V) target probs after the anchor and each draft; drafts: (..., k) ids;
+    q: (..., k, V) the probs the drafts were drawn from, or None (one-hot at the drafts).
+    tokens[..., :accepted] are the kept drafts and tokens[..., accepted] the new token
+    (a draw from the residual at the first rejection, or from p after the last draft).
+    """
+    k = drafts.shape[-1]
+    drafts = drafts.astype(mx.int32)
+    key_u, key_r = mx.random.split(key)
+    idx = drafts[..., None]
+    p_x = mx.take_along_axis(p[..., :k, :], idx, axis=-1)[..., 0]
+    q_x = 1.0 if q is None else mx.take_along_axis(q, idx, axis=-1)[..., 0]
+    u = mx.random.uniform(shape=drafts.shape, key=key_u)
+    kept = (u * q_x < p_x).astype(mx.int32)  # u < p/q, i.e. probability min(1, p/q)
+    accepted = mx.cumprod(kept, axis=-1).sum(axis=-1) if k else mx.zeros(p.shape[:-2], mx.int32)
+    at = accepted[..., None, None]
+    p_n = mx.take_along_axis(p, at, axis=-2)[..., 0, :]
+    if q is None:  # one-hot at the draft that was rejected; none after the last draft (bonus)
+        no_draft = mx.full((*drafts.shape[:-1], 1), -1, mx.int32)
+        d_n = mx.take_along_axis(mx.concatenate([drafts, no_draft], axis=-1), at[..., 0], axis=-1)
+        q_n = (mx.arange(p.shape[-1]) == d_n).astype(p.dtype)
+    elif k:
+        q_n = mx.take_along_axis(q, mx.minimum(at, k - 1), axis=-2)[..., 0, :]
+        q_n = q_n * (accepted < k)[..., None].astype(q_n.dtype)
+    else:
+        q_n = mx.zeros_like(p_n)
+    new = draw(residual(p_n, q_n), key_r)
+    slots = mx.concatenate([drafts, new[..., None]], axis=-1)
+    tokens = mx.where(mx.arange(k + 1) < accepted[..., None], slots, new[..., None])
+    return accepted.astype(mx.int32), tokens

@@ -1,0 +1,154 @@
+"""Training checkpoints small enough to bring back from a lent GPU.
+
+A checkpoint folder:
+    config.json                          the draft's config (published DFlash format)
+    model-0000i-of-0000N.safetensors     bf16 draft weights, whole tensors, each file <= part_bytes
+    model.safetensors.index.json         weight_map (Hugging Face layout)
+    trainer.json                         global step, schedule, seed, data, running loss, sessions
+    optimizer/state.safetensors          optional (--save-optimizer): AdamW moments + step, fp32
+    optimizer/master.safetensors         optional: the fp32 master weights (exact local resume)
+
+When every tensor fits in a part (SmolLM2 drafts: the largest is 3.3 MB) the folder is itself a
+loadable draft: `load_draft` reads every top-level *.safetensors. A tensor larger than a part is
+split by rows into keys `NAME.__rows{i}of{n}`; `load_weights` joins them back (`load_draft` does
+not know that suffix). The folder is written to a sibling temp folder and swapped in, so a
+crash mid-save never leaves a half checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+PART_BYTES = 15_000_000
+_HEADER_BUDGET = 64 * 1024  # safetensors header (JSON with names, shapes, offsets) per file
+_ROWS = re.compile(r"^(.*)\.__rows(\d+)of(\d+)$")
+
+
+def _pieces(name: str, t: mx.array, budget: int) -> list[tuple[str, mx.array]]:
+    if t.nbytes <= budget or t.ndim == 0 or t.shape[0] < 2:
+        return [(name, t)]
+    row = t.nbytes // t.shape[0]
+    per = max(1, budget // max(row, 1))
+    n = -(-t.shape[0] // per)
+    return [(f"{name}.__rows{i}of{n}", t[i * per : (i + 1) * per]) for i in range(n)]
+
+
+def write_parts(weights: dict[str, mx.array], folder: Path, part_bytes: int = PART_BYTES,
+                stem: str = "model") -> list[Path]:
+    """Whole tensors packed greedily into files of at most part_bytes (rows split if needed)."""
+    budget = max(part_bytes - min(_HEADER_BUDGET, part_bytes // 10), 256)
+    parts: list[dict[str, mx.array]] = [{}]
+    size = 0
+    for name in sorted(weights):
+        for key, t in _pieces(name, weights[name], budget):
+            if parts[-1] and size + t.nbytes > budget:
+                parts.append({})
+                size = 0
+            parts[-1][key] = t
+            size += t.nbytes
+    n = len(parts)
+    files, wmap = [], {}
+    for i, p in enumerate(parts, 1):
+        f = folder / f"{stem}-{i:05d}-of-{n:05d}.safetensors"
+        mx.save_safetensors(str(f), p, metadata={"format": "mlx"})
+        files.append(f)
+        wmap.update({k: f.name for k in p})
+    total = sum(t.nbytes for t in weights.values())
+    (folder / f"{stem}.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": wmap}, indent=1) + "\n")
+    return files
+
+
+def join_rows(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Undo write_parts' row split (`NAME.__rows{i}of{n}` -> NAME)."""
+    out, split = {}, {}
+    for k, v in weights.items():
+        m = _ROWS.match(k)
+        if m:
+            split.setdefault(m.group(1), {})[int(m.group(2))] = (int(m.group(3)), v)
+        else:
+            out[k] = v
+    for name, pieces in split.items():
+        n = next(iter(pieces.values()))[0]
+        if sorted(pieces) != list(range(n)):
+            raise ValueError(f"checkpoint tensor {name}: parts {sorted(pieces)} of {n}")
+        out[name] = mx.concatenate([pieces[i][1] for i in range(n)], axis=0)
+    return out
+
+
+def load_weights(folder: str | Path) -> dict[str, mx.array]:
+    """All draft weights of a checkpoint or a published draft folder (top-level *.safetensors)."""
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    w: dict[str, mx.array] = {}
+    for f in files:
+        w.update(mx.load(str(f)))
+    w = {k.removeprefix("model."): v for k, v in join_rows(w).items()}
+    return {k: v for k, v in w.items() if not k.startswith(("embed_tokens", "lm_head"))}
+
+
+def load_draft_any(folder: str | Path, dtype: mx.Dtype | None = None):
+    """A DFlashDraft from a checkpoint (row-split parts included) or a published draft folder."""
+    from ..draft import DFlashDraft, DraftConfig
+
+    folder = Path(folder)
+    raw = json.loads((folder / "config.json").read_text())
+    if raw.get("quantization"):
+        raise ValueError(f"{folder}: a quantized draft cannot seed training")
+    draft = DFlashDraft(DraftConfig.from_dict(raw))
+    draft.load_weights(list(load_weights(folder).items()), strict=True)
+    if dtype is not None:
+        draft.set_dtype(dtype)
+    mx.eval(draft.parameters())
+    return draft
+
+
+def save_checkpoint(
+    folder: str | Path, config: dict[str, Any], params: dict[str, mx.array], trainer: dict[str, Any],
+    part_bytes: int = PART_BYTES, dtype: mx.Dtype = mx.bfloat16,
+    optimizer_state: dict[str, mx.array] | None = None,
+) -> Path:
+    """Write a checkpoint (see the module doc); `params` flat {name: array} (fp32 masters)."""
+    folder = Path(folder)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write_parts({k: v.astype(dtype) for k, v in params.items()}, tmp, part_bytes)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    trainer = dict(trainer, optimizer_saved=optimizer_state is not None,
+                   weights_dtype=str(dtype).split(".")[-1])
+    if optimizer_state is not None:
+        (tmp / "optimizer").mkdir()
+        mx.save_safetensors(str(tmp / "optimizer" / "state.safetensors"), optimizer_state)
+        mx.save_safetensors(str(tmp / "optimizer" / "master.safetensors"),
+                            {k: v.astype(mx.float32) for k, v in params.items()})
+    (tmp / "trainer.json").write_text(json.dumps(trainer, indent=2) + "\n")
+    old = folder.with_name(folder.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if folder.exists():
+        os.replace(folder, old)
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
+def load_trainer(folder: str | Path) -> dict[str, Any] | None:
+    f = Path(folder) / "trainer.json"
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def load_optimizer(folder: str | Path) -> tuple[dict[str, mx.array], dict[str, mx.array]] | None:
+    """(flat optimizer state, fp32 master weights) when the checkpoint kept them, else None."""
+    d = Path(folder) / "optimizer"
+    if not (d / "state.safetensors").is_file() or not (d / "master.safetensors").is_file():
+        return None
+    return mx.load(str(d / "state.safetensors")), mx.load(str(d / "master.safetensors"))

@@ -1,0 +1,93 @@
+"""engine/accel.py: the environment MLX gets before it starts (MKL preload, cuDNN attention off)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash.engine import accel
+
+linux_only = pytest.mark.skipif(sys.platform == "darwin", reason="no CUDA switch on macOS")
+
+
+def _env(**overrides: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in (accel.CUDNN_SDPA, accel.SDPA_SOURCE, accel.MARK)}
+    for k, v in overrides.items():
+        if v is not None:
+            env[k] = v
+    return env
+
+
+@linux_only
+def test_cuda_switch_only_when_the_user_left_it_unset() -> None:
+    env: dict[str, str] = {}
+    assert accel.cuda_env(env) == {accel.CUDNN_SDPA: "0", accel.SDPA_SOURCE: "dflash"}
+    assert accel.use_mlx_sdpa(env) and env[accel.CUDNN_SDPA] == "0"
+    assert accel.sdpa_setting(env) == {"value": "0", "set_by": "dflash"}
+    assert not accel.use_mlx_sdpa(env)  # already set: nothing more
+
+    user = {accel.CUDNN_SDPA: "1"}
+    assert accel.cuda_env(user) == {}
+    assert not accel.use_mlx_sdpa(user) and user == {accel.CUDNN_SDPA: "1"}
+    assert accel.sdpa_setting(user) == {"value": "1", "set_by": "user"}
+    assert accel.sdpa_setting({}) == {"value": None, "set_by": None}
+
+
+@linux_only
+def test_describe_reports_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(accel.MARK, "mkl (x)")
+    monkeypatch.setenv(accel.CUDNN_SDPA, "0")
+    monkeypatch.setenv(accel.SDPA_SOURCE, "dflash")
+    assert accel.describe() == f"mkl (x); {accel.CUDNN_SDPA}=0 (set by dflash)"
+    monkeypatch.delenv(accel.SDPA_SOURCE)
+    monkeypatch.setenv(accel.CUDNN_SDPA, "1")
+    assert accel.describe().endswith(f"{accel.CUDNN_SDPA}=1 (set by user)")
+
+
+def _run(code: str, env: dict[str, str], cwd: Path, module: str | None = None) -> str:
+    args = ["-m", module] if module else ["-c", code]
+    out = subprocess.run([sys.executable, *args], env=env, cwd=cwd, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+@linux_only
+def test_import_sets_it_before_mlx_is_imported(tmp_path: Path) -> None:
+    code = ("import sys, os; import dflash.engine; "
+            "print(os.environ.get('MLX_CUDA_USE_CUDNN_SDPA'), 'mlx.core' in sys.modules)")
+    assert _run(code, _env(), tmp_path) == "0 True"
+    assert _run(code, _env(MLX_CUDA_USE_CUDNN_SDPA="1"), tmp_path) == "1 True"
+    # the value is in place when mlx is first imported (engine/__init__ applies it first thing)
+    code = ("import os, sys\n"
+            "class Spy:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'mlx': print('at mlx import:', os.environ.get('MLX_CUDA_USE_CUDNN_SDPA'))\n"
+            "sys.meta_path.insert(0, Spy())\n"
+            "import dflash.engine\n")
+    assert _run(code, _env(), tmp_path) == "at mlx import: 0"
+
+
+@linux_only
+@pytest.mark.parametrize("blas", ["auto", "none"])
+def test_reexecuted_child_inherits_it(tmp_path: Path, blas: str) -> None:
+    """maybe_reexec (the `dflash` commands, the worker): the child, MKL-preloaded or not, has it."""
+    (tmp_path / "probe.py").write_text(
+        "import os, sys\n"
+        "from dflash.engine import accel\n"
+        "accel.maybe_reexec(module='probe')\n"
+        "print(os.environ.get('MLX_CUDA_USE_CUDNN_SDPA'), os.environ.get('DFLASH_CUDNN_SDPA_SET_BY'),"
+        " 'LD_PRELOAD' in os.environ and 'mkl' in os.environ['LD_PRELOAD'])\n"
+    )
+    env = _env(DFLASH_BLAS=blas)
+    env.pop("LD_PRELOAD", None)
+    value, source, preloaded = _run("", env, tmp_path, "probe").split()
+    assert (value, source) == ("0", "dflash")
+    assert preloaded == str(blas == "auto" and accel.find_mkl() is not None)
+    value, source, _ = _run("", dict(env, MLX_CUDA_USE_CUDNN_SDPA="1"), tmp_path, "probe").split()
+    assert (value, source) == ("1", "None")

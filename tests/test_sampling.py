@@ -1,0 +1,229 @@
+"""Sampling: our transforms are mlx-lm's, greedy is untouched, seeds reproduce, bad input fails.
+
+The exactness of the sampled output's distribution is tests/test_sampling_dist.py.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_sampler
+
+from dflash.engine import sampling
+from dflash.engine.drafters import OracleDrafter
+from dflash.engine.sampling import SamplingParams
+from helpers import cut_at_eos, greedy_reference, run_dflash
+
+PROMPT = "Once upon a time there was a small town by the sea."
+
+
+def _logprobs(x: mx.array) -> mx.array:
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+def _random_logits(seed: int, rows: int = 64, vocab: int = 300) -> mx.array:
+    """Half the rows continuous, half rounded to integers: many ties, at every boundary."""
+    x = mx.random.normal((rows, vocab), key=mx.random.key(seed)) * 3
+    return mx.concatenate([x[: rows // 2], mx.round(x[rows // 2 :])])
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.3, 0.5, 0.9, 0.95, 0.999])
+def test_top_p_mask_equals_mlx_lm(top_p):
+    lp = _logprobs(_random_logits(0))
+    ours = sampling.top_p_mask(lp, top_p)
+    assert mx.array_equal(ours, mx.isfinite(apply_top_p(lp, top_p)))
+    assert ours.sum(axis=-1).min().item() >= 1
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 7, 50, 299])
+def test_top_k_mask_equals_mlx_lm(top_k):
+    lp = _logprobs(_random_logits(1))
+    ours = sampling.top_k_mask(lp, top_k)
+    theirs = mx.isfinite(apply_top_k(lp, top_k))
+    assert (ours.sum(axis=-1) == top_k).all().item()  # exactly k, ties or not
+    assert mx.array_equal(ours[:32], theirs[:32])  # no ties: the same tokens
+    # with ties at the k-th place mlx-lm leaves the choice to argpartition; we take the lower
+    # ids. Either way the kept values are the same multiset.
+    kept = lambda m: mx.sort(mx.where(m, lp, -mx.inf), axis=-1)  # noqa: E731
+    assert mx.array_equal(kept(ours), kept(theirs))
+
+
+def test_top_k_ties_go_to_lower_ids_and_large_k_is_off():
+    lp = _logprobs(mx.array([[0.0, 1.0, 1.0, 1.0, 2.0, 1.0]]))
+    assert sampling.top_k_mask(lp, 3).tolist() == [[False, True, True, False, True, False]]
+    p = SamplingParams(temperature=1.0, top_k=6)  # k >= vocab keeps everything
+    assert mx.allclose(sampling.probs(lp, p), mx.softmax(lp, axis=-1)).item()
+
+
+@pytest.mark.parametrize(
+    "temperature,top_p,top_k",
+    [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 20), (0.5, 0.8, 5), (1.0, 0.3, 2)],
+)
+def test_probs_equal_mlx_lm_chain(temperature, top_p, top_k):
+    """p = softmax((top-k(top-p(logprobs))) / temperature), the chain make_sampler applies."""
+    logits = _random_logits(2)
+    lp = _logprobs(logits)
+    if top_p < 1:
+        lp = apply_top_p(lp, top_p)
+    if top_k:
+        lp = apply_top_k(lp, top_k)
+    theirs = mx.softmax(lp * (1.0 / temperature), axis=-1)
+    ours = sampling.probs(logits, SamplingParams(temperature, top_p, top_k))
+    assert mx.allclose(ours, theirs, atol=1e-6).item()
+    assert mx.array_equal(ours > 0, theirs > 0)
+
+
+def test_make_sampler_draws_from_our_probs():
+    """mlx-lm's own sampler, drawn 200k times, matches our p (chi-square, pooled cells)."""
+    from test_sampling_dist import assert_same_distribution
+
+    logits = mx.random.normal((1, 40), key=mx.random.key(3)) * 2
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=12)
+    p = np.array(sampling.probs(logits, params)[0])
+    mx.random.seed(4)
+    n = 200_000
+    draws = make_sampler(0.7, top_p=0.9, top_k=12)(mx.broadcast_to(_logprobs(logits), (n, 40)))
+    counts = np.bincount(np.array(draws), minlength=40)
+    exact = {(i,): float(v) for i, v in enumerate(p)}
+    assert_same_distribution({(i,): int(c) for i, c in enumerate(counts)}, exact, n)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(seed=-3), "seed"),
+    ],
+)
+def test_bad_parameters_raise(pairs, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**{"temperature": 1.0, **kwargs})
+    pair = pairs("qwen3")
+    with pytest.raises(ValueError, match=match):
+        run_dflash(pair.target, pair.drafter, pair.tokenizer, [1, 2, 3], 4,
+                   **{"temperature": 1.0, **kwargs})
+
+
+def test_greedy_path_untouched(pairs, monkeypatch):
+    """temperature 0 (with any top_p/top_k/seed) is today's greedy loop: no sampling op runs."""
+    pair = pairs("qwen3_5")
+    ids = pair.tokenizer.encode(PROMPT)
+    eos = set(pair.tokenizer.eos_token_ids)
+    ref = cut_at_eos(greedy_reference(pair.target.model, ids, 40), eos)
+    base, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, 40, verify_window=4)
+
+    def boom(*a, **k):
+        raise AssertionError("a sampling op ran on the greedy path")
+
+    for name in ("probs", "draw", "accept", "KeyChain"):
+        monkeypatch.setattr(sampling, name, boom)
+    monkeypatch.setattr("dflash.engine.generate.KeyChain", boom)
+    final, _ = run_dflash(
+        pair.target, pair.drafter, pair.tokenizer, ids, 40, verify_window=4,
+        temperature=0.0, top_p=0.5, top_k=3, seed=7,
+    )
+    assert final.token_ids == base.token_ids == ref
+    keys = ("cycles", "accepted_drafts", "accept_histogram", "plain_steps", "mean_verify_window")
+    assert all(getattr(final.stats, k) == getattr(base.stats, k) for k in keys)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "gemma3_text"])
+def test_same_seed_same_ids(pairs, arch):
+    pair = pairs(arch)
+    ids = pair.tokenizer.encode(PROMPT)
+    saved, pair.tokenizer.eos_token_ids = pair.tokenizer.eos_token_ids, set()
+    try:
+        runs = {}
+        for seed in (11, 11, 12):
+            for window in (4, "full"):
+                final, _ = run_dflash(
+                    pair.target, pair.drafter, pair.tokenizer, ids, 32,
+                    temperature=1.0, top_p=0.95, seed=seed, verify_window=window,
+                )
+                runs.setdefault((seed, window), []).append(final.token_ids)
+    finally:
+        pair.tokenizer.eos_token_ids = saved
+    for window in (4, "full"):
+        a, b = runs[(11, window)]
+        assert a == b and len(a) == 32
+        assert runs[(12, window)][0] != a
+
+
+def test_unseeded_runs_differ(pairs):
+    pair = pairs("qwen3")
+    ids = pair.tokenizer.encode(PROMPT)
+    saved, pair.tokenizer.eos_token_ids = pair.tokenizer.eos_token_ids, set()
+    try:
+        a, b = (run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, 24, temperature=1.0)[0]
+                for _ in range(2))
+    finally:
+        pair.tokenizer.eos_token_ids = saved
+    assert a.token_ids != b.token_ids
+
+
+@pytest.mark.parametrize("window", ["auto", 1, 3])
+def test_sampling_runs_every_window_and_reports_stats(pairs, window):
+    """Plain steps pipelined on the sampled device-side token, drafts, auto: all sample."""
+    pair = pairs("qwen3_5")
+    ids = pair.tokenizer.encode(PROMPT)
+    final, events = run_dflash(
+        pair.target, pair.drafter, pair.tokenizer, ids, 48,
+        temperature=0.8, top_k=40, seed=5, verify_window=window,
+    )
+    s = final.stats
+    assert s.generated_tokens == len(final.token_ids) and sum(s.accept_histogram) == s.cycles
+    assert s.accepted_drafts == sum(f for ev in events for f in ev.from_draft)
+    if window == 1:
+        assert s.plain_steps == s.cycles and s.accepted_drafts == 0
+
+
+def test_oracle_under_sampling_is_ids_only(pairs):
+    """An ids-only drafter (q one-hot): at a near-zero temperature the target's argmax
+    continuation is accepted almost always; a drafter without `sampling` gives the same ids."""
+    pair = pairs("qwen3")
+    ids = pair.tokenizer.encode(PROMPT)
+    ref = greedy_reference(pair.target.model, ids, 64)
+    oracle = OracleDrafter(ref, len(ids), 16, vocab_size=pair.target.vocab_size)
+
+    class IdsOnly:  # the Drafter protocol before sampling: no `sampling` parameter
+        block_size, layer_ids = 16, [0]
+        reset = jump = add_context = lambda self, *a, **k: None
+
+        def propose(self, anchor, anchor_pos, count=None):
+            return oracle.propose(anchor, anchor_pos, count)
+
+    saved, pair.tokenizer.eos_token_ids = pair.tokenizer.eos_token_ids, set()
+    try:
+        a, _ = run_dflash(pair.target, oracle, pair.tokenizer, ids, 48, temperature=1e-3, seed=1,
+                          verify_window="full")
+        b, _ = run_dflash(pair.target, IdsOnly(), pair.tokenizer, ids, 48, temperature=1e-3,
+                          seed=1, verify_window="full")
+    finally:
+        pair.tokenizer.eos_token_ids = saved
+    assert a.token_ids == b.token_ids == ref[:48]
+    assert a.stats.acceptance > 0.9
+
+
+def test_accept_rule_edges():
+    """q == p keeps every draft; a draft the target rules out is rejected and never re-emitted."""
+    key = mx.random.key(0)
+    p = mx.softmax(mx.random.normal((4, 9), key=mx.random.key(1)), axis=-1)
+    drafts = sampling.draw(p[:3], mx.random.key(2))
+    acc, toks = sampling.accept(p, drafts, p[:3], key)
+    assert acc.item() == 3 and toks[:3].tolist() == drafts.tolist()
+    banned = p.at[0, 4].multiply(0.0)
+    for s in range(50):
+        acc, toks = sampling.accept(banned, mx.array([4, 1, 2]), None, mx.random.key(s))
+        assert acc.item() == 0 and toks[0].item() != 4
+    acc, toks = sampling.accept(p[:1], mx.zeros((0,), mx.int32), None, key)  # a plain step
+    assert acc.item() == 0 and toks.shape == (1,)
+    keys = sampling.KeyChain(3)
+    a = [keys.next().tolist() for _ in range(3)]
+    keys = sampling.KeyChain(3)
+    assert a == [keys.next().tolist() for _ in range(3)] and a[0] != a[1]

@@ -1,0 +1,242 @@
+"""Sampling parameters through every interface but HTTP (that is test_gateway.py): `dflash
+generate`, wire protocol version 2, the daemon, DFlashClient / AsyncDFlashClient and
+`dflash-client`. Real processes, real ZeroMQ, the tiny real model; the reference is the
+in-process engine with the same seed (and the same fixed verify window: a seed repeats its ids
+only under a fixed window, so the daemon here runs with verify_window = "full")."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import msgpack
+import pytest
+import zmq
+from click.testing import CliRunner
+from daemon_fixtures import PROMPTS, Daemon, reference, tiny_pair  # noqa: F401
+
+from dflash.client import AsyncDFlashClient, BadRequestError, DFlashClient, ProtocolVersionError
+from dflash.daemon import protocol as P
+
+PROMPT = PROMPTS[4]
+SAMPLED = dict(temperature=0.8, top_p=0.95, top_k=50, seed=11)
+FULL = dict(verify_window="full")
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_pair):  # noqa: F811
+    d = Daemon(*tiny_pair, verify_window="full")
+    try:
+        yield d.start()
+    finally:
+        d.stop()
+
+
+@pytest.fixture
+def client(daemon):
+    with daemon.client(timeout=20) as c:
+        yield c
+
+
+def _raw(endpoint: str, msg: dict, timeout_ms: int = 10_000) -> dict:
+    """One request map as-is over a plain DEALER (an old or a foreign client); the reply map."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(msgpack.packb(msg))
+        assert sock.poll(timeout_ms), "no reply"
+        return msgpack.unpackb(sock.recv())
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+# ----------------------------------------------------------------------------- the daemon
+
+
+def test_seeded_sampling_through_the_daemon_equals_in_process(client, tiny_pair):  # noqa: F811
+    _, want = reference(tiny_pair, PROMPT, 16, **SAMPLED, **FULL)
+    _, greedy = reference(tiny_pair, PROMPT, 16)
+    assert want != greedy  # the params do something
+    first = client.generate(PROMPT, max_tokens=16, **SAMPLED)
+    assert first.token_ids == want
+    assert first.stats["sampling"] == {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "seed": 11}
+    again = client.generate(PROMPT, max_tokens=16, **SAMPLED)  # now from the prefix cache
+    assert again.token_ids == want and again.stats["cached_prompt_tokens"] > 0
+    with client.stream(PROMPT, max_tokens=16, **SAMPLED) as s:
+        assert [t for d in s for t in d.token_ids] == want
+    other = client.generate(PROMPT, max_tokens=16, **{**SAMPLED, "seed": 12})
+    assert other.token_ids == reference(tiny_pair, PROMPT, 16, **{**SAMPLED, "seed": 12}, **FULL)[1] != want
+    plain = client.generate(PROMPT, max_tokens=16)  # temperature 0 (the default): greedy as before
+    assert plain.token_ids == greedy and plain.stats["sampling"]["temperature"] == 0.0
+    assert client.generate(PROMPT, max_tokens=16, temperature=0, seed=3).token_ids == greedy
+
+
+def test_unseeded_job_reports_its_drawn_seed(client, tiny_pair):  # noqa: F811
+    a = client.generate(PROMPT, max_tokens=12, temperature=1.0)
+    seed = a.stats["sampling"]["seed"]
+    assert isinstance(seed, int) and 0 <= seed < 2**63
+    assert client.generate(PROMPT, max_tokens=12, temperature=1.0, seed=seed).token_ids == a.token_ids
+    h = client.submit(PROMPT, max_tokens=12, temperature=1.0, seed=seed)  # detached jobs too
+    assert h.result(timeout=30).token_ids == a.token_ids
+
+
+def test_async_client_takes_the_same_params(daemon, tiny_pair):  # noqa: F811
+    async def go() -> tuple[list[int], list[int]]:
+        a = AsyncDFlashClient(daemon.endpoint, config=daemon.cfg, timeout=20)
+        try:
+            res = await a.generate(PROMPT, max_tokens=16, **SAMPLED)
+            streamed = [t async for ev in a.stream(PROMPT, max_tokens=16, **SAMPLED) for t in ev.token_ids]
+            return res.token_ids, streamed
+        finally:
+            a.close()
+
+    ids, streamed = asyncio.run(go())
+    want = reference(tiny_pair, PROMPT, 16, **SAMPLED, **FULL)[1]
+    assert ids == want and streamed == want + want  # deltas' ids, then the Result's
+
+
+def test_bad_sampling_values_are_refused_and_the_daemon_survives(client, daemon):
+    pid = client.stats()["pid"]
+    for kw, field in [({"temperature": -0.5}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+                      ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"),
+                      ({"seed": -1}, "seed"), ({"seed": 1 << 64}, "seed")]:
+        with pytest.raises(BadRequestError) as e:
+            client.generate(PROMPT, max_tokens=4, **kw)
+        assert e.value.code == P.BAD_SAMPLING and field in e.value.message, (kw, e.value)
+    with pytest.raises(TypeError):  # caught before the wire: 2.5 tokens is not a top_k
+        client.generate(PROMPT, max_tokens=4, top_k=2.5)
+    # the worker's own check, and what only a foreign client can send: wrong wire types
+    for bad, code in [({"temperature": "hot"}, P.BAD_REQUEST), ({"top_k": 1.5}, P.BAD_REQUEST),
+                      ({"seed": True}, P.BAD_REQUEST), ({"temperature": -1.0}, P.BAD_SAMPLING),
+                      ({"top_p": 2.0}, P.BAD_SAMPLING), ({"seed": -5}, P.BAD_SAMPLING)]:
+        reply = _raw(daemon.endpoint, {"v": P.VERSION, "op": "submit", "rid": 5, "text": "x", **bad})
+        assert (reply["type"], reply["code"], reply["rid"]) == ("error", code, 5), reply
+    st = client.stats()
+    assert st["pid"] == pid and st["state"] == "ready" and st["protocol"] == P.VERSION
+    assert st["generation"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "verify_window": "full"}
+    assert len(client.generate(PROMPT, max_tokens=4, **SAMPLED).token_ids) == 4  # still serving
+
+
+def test_config_defaults_apply_when_a_request_leaves_them_unset(tiny_pair):  # noqa: F811
+    d = Daemon(*tiny_pair, verify_window="full", temperature=0.8, top_p=0.95, top_k=50, seed=11, cache=False)
+    try:
+        d.start()
+        with d.client(timeout=20) as c:
+            want = reference(tiny_pair, PROMPT, 16, **SAMPLED, **FULL)[1]
+            res = c.generate(PROMPT, max_tokens=16)
+            assert res.token_ids == want and res.stats["sampling"] == dict(SAMPLED)
+            greedy = c.generate(PROMPT, max_tokens=16, temperature=0)  # a request's own value wins
+            assert greedy.token_ids == reference(tiny_pair, PROMPT, 16)[1]
+            assert greedy.stats["sampling"] == {"temperature": 0.0, "top_p": 0.95, "top_k": 50, "seed": 11}
+    finally:
+        d.stop()
+
+
+# ----------------------------------------------------------------------------- versions
+
+
+def test_an_old_client_gets_a_version_error_it_can_read(daemon, client):
+    """A version-1 client's submit: the error comes back stamped version 1 (so that client's
+    decoder accepts it), with the code bad_version and both versions in the message."""
+    v1_submit = {"v": 1, "op": "submit", "rid": 9, "job_id": "", "text": "hi", "max_tokens": 4}
+    reply = _raw(daemon.endpoint, v1_submit)
+    assert (reply["v"], reply["type"], reply["code"], reply["rid"]) == (1, "error", P.BAD_VERSION, 9)
+    assert "request is version 1" in reply["message"] and f"speaks version {P.VERSION}" in reply["message"]
+    future = _raw(daemon.endpoint, {"v": P.VERSION + 1, "op": "stats", "rid": 2})
+    assert (future["v"], future["code"]) == (P.VERSION, P.BAD_VERSION)  # unknown: our own version
+    assert client.stats()["state"] == "ready"
+
+
+def test_a_new_client_names_both_versions_when_the_worker_is_old(tmp_path):
+    """A worker still on version 1 answers every version-2 request the way version 1 did; the
+    client raises ProtocolVersionError naming both versions instead of a decoding failure."""
+    endpoint = f"ipc://{tmp_path}/old.sock"
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(endpoint)
+    stop = threading.Event()
+
+    def old_worker() -> None:  # version 1's answer to a request of another version
+        while not stop.is_set():
+            if router.poll(50):
+                ident, frame = router.recv_multipart()
+                m = msgpack.unpackb(frame)
+                router.send_multipart([ident, msgpack.packb(
+                    {"v": 1, "type": "error", "rid": m.get("rid", 0), "code": "bad_version",
+                     "message": f"protocol version {m.get('v')!r} not supported (want 1)", "job_id": ""})])
+
+    t = threading.Thread(target=old_worker, daemon=True)
+    t.start()
+    try:
+        with DFlashClient(endpoint, timeout=5) as c:
+            for call in (c.stats, lambda: c.generate("hi", max_tokens=4, temperature=0.5)):
+                with pytest.raises(ProtocolVersionError) as e:
+                    call()
+                assert e.value.code == P.BAD_VERSION and isinstance(e.value, BadRequestError)
+                assert "reply is version 1" in e.value.message and f"speaks version {P.VERSION}" in e.value.message
+
+        async def go() -> None:
+            a = AsyncDFlashClient(endpoint, timeout=5)
+            try:
+                with pytest.raises(ProtocolVersionError):
+                    await a.stats()
+            finally:
+                a.close()
+
+        asyncio.run(go())
+    finally:
+        stop.set()
+        t.join(5)
+        router.close(0)
+        ctx.term()
+
+
+# ----------------------------------------------------------------------------- command lines
+
+
+def test_dflash_client_prompt_flags(daemon, tiny_pair):  # noqa: F811
+    from dflash.client.cli import main
+
+    base = ["--endpoint", daemon.endpoint, "--timeout", "20", "prompt", "--json", "-m", "16"]
+    res = CliRunner().invoke(main, [*base, "--temperature", "0.8", "--top-p", "0.95", "--top-k", "50",
+                                    "--seed", "11", PROMPT])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["token_ids"] == reference(tiny_pair, PROMPT, 16, **SAMPLED, **FULL)[1]
+    assert out["stats"]["sampling"] == dict(SAMPLED)
+    for flags, word in [(["--temperature", "-1"], "--temperature"), (["--temperature", "inf"], "finite"),
+                        (["--top-p", "0"], "--top-p"), (["--top-p", "1.5"], "--top-p"),
+                        (["--top-k", "-3"], "--top-k"), (["--seed", "-1"], "--seed")]:
+        res = CliRunner().invoke(main, [*base, *flags, PROMPT])
+        assert res.exit_code == 2 and word in res.output, (flags, res.output)
+
+
+def test_dflash_generate_flags(tiny_pair):  # noqa: F811
+    from dflash.engine.cli import main
+
+    model, draft = tiny_pair
+    run = CliRunner(env={"DFLASH_BLAS": "none"})
+    base = ["generate", "--model", model, "--draft", draft, "--prompt", PROMPT, "-m", "16", "--json",
+            "--verify-window", "full"]
+    res = run.invoke(main, [*base, "--temperature", "0.8", "--top-p", "0.95", "--top-k", "50", "--seed", "11"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["token_ids"] == reference(tiny_pair, PROMPT, 16, **SAMPLED, **FULL)[1]
+    assert out["sampling"] == dict(SAMPLED)
+    drawn = json.loads(run.invoke(main, [*base, "--temperature", "0.8"]).output)  # no seed: one is drawn
+    assert isinstance(drawn["sampling"]["seed"], int)
+    again = json.loads(run.invoke(main, [*base, "--temperature", "0.8", "--seed", str(drawn["sampling"]["seed"])]).output)
+    assert again["token_ids"] == drawn["token_ids"]
+    greedy = json.loads(run.invoke(main, base).output)
+    assert greedy["token_ids"] == reference(tiny_pair, PROMPT, 16)[1]
+    assert greedy["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None}
+    for flags, word in [(["--temperature", "-0.1"], "--temperature"), (["--temperature", "nan"], "finite"),
+                        (["--top-p", "0"], "--top-p"), (["--top-k", "-1"], "--top-k"),
+                        (["--seed", str(1 << 64)], "--seed")]:
+        res = run.invoke(main, [*base, *flags])
+        assert res.exit_code == 2 and word in res.output, (flags, res.output)

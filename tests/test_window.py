@@ -1,0 +1,126 @@
+"""engine/window.py's "auto" policy at acceptance ~0, and how the loop feeds the draft.
+
+Speed itself is measured by `dflash benchmark` (docs/benchmark.md), never asserted here: these
+tests pin the decisions that make it (how soon drafting stops, how rarely it probes, what the
+measurements are made of) on a synthetic clock, and count the loop's calls on a tiny pair.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash.engine.window import VerifyWindow
+from helpers import greedy_reference, run_dflash
+
+STEP = 0.010  # seconds of a plain step
+
+
+def _run(w: VerifyWindow, cycles: int, accept, draft_cost: float) -> list[int]:
+    """Drive the policy: accept(k) drafts accepted, a draft cycle costs draft_cost plain steps."""
+    ks = []
+    for _ in range(cycles):
+        k = w.next()
+        ks.append(k)
+        w.observe(k, 0 if k == 1 else accept(k), STEP if k == 1 else draft_cost * STEP)
+    return ks
+
+
+def test_at_acceptance_zero_drafting_stops_within_a_few_cycles_and_probes_rarely() -> None:
+    w = VerifyWindow(16, "auto")
+    ks = _run(w, 512, lambda k: 0, draft_cost=2.5)
+    drafts = [i for i, k in enumerate(ks) if k > 1]
+    assert len([i for i in drafts if i < 16]) <= 4  # found out early
+    assert len(drafts) <= 10  # then probes with a doubling gap: 8, 16, ..., 128
+    gaps = [b - a for a, b in zip(drafts[3:], drafts[4:])]
+    assert gaps == sorted(gaps) and max(gaps) >= w.max_probe_gap
+    assert max(ks[16:]) <= 4  # probes are short windows: the cheap ones
+    cost = sum(1 if k == 1 else 2.5 for k in ks)
+    assert len(ks) / cost > 0.95  # tokens per plain-step time: within 5% of plain decoding
+
+
+def test_a_good_draft_keeps_drafting() -> None:
+    w = VerifyWindow(16, "auto")
+    ks = _run(w, 100, lambda k: k - 1, draft_cost=2.5)
+    assert ks.count(1) <= 3 and ks[-1] == 16  # one timed plain step, then whole blocks
+
+
+def test_first_draft_cycle_time_is_not_used_and_the_first_measurement_replaces_the_prior() -> None:
+    w = VerifyWindow(16, "auto")
+    prior = w.d
+    k = w.next()
+    w.observe(k, 0, 50 * STEP)  # prefill's draft context is projected in this one
+    assert w.d == prior
+    assert w.next() == 1  # then a plain step is timed
+    w.observe(1, 0, STEP)
+    k = w.next()
+    assert k > 1
+    w.observe(k, 0, 4 * STEP)
+    assert w.d == pytest.approx(4 - 1 - w.c * (k - 1))  # replaced, not averaged with the prior
+
+
+def test_step_time_is_a_median_an_unpipelined_step_does_not_skew_it() -> None:
+    w = VerifyWindow(16, "auto")
+    for s in (STEP, STEP, 9 * STEP, STEP, STEP):
+        w.observe(1, 0, s)
+    assert w.step_s == pytest.approx(STEP)
+
+
+def test_fixed_windows_and_targets_without_plain_steps() -> None:
+    assert VerifyWindow(16, 1).next() == 1
+    w = VerifyWindow(16, "auto", allow_plain=False)
+    ks = _run(w, 200, lambda k: 0, draft_cost=2.5)
+    assert min(ks) >= 2
+    with pytest.raises(ValueError, match="sliding-window"):
+        VerifyWindow(16, 1, allow_plain=False)
+
+
+class CountingDrafter:
+    """Wraps a drafter and counts add_context calls and rows."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.block_size, self.layer_ids = inner.block_size, inner.layer_ids
+        self.calls = 0
+        self.rows = 0
+        self.proposals = 0
+
+    def reset(self, *a, **k):
+        self.inner.reset(*a, **k)
+
+    def jump(self, p):
+        self.inner.jump(p)
+
+    def add_context(self, features):
+        self.calls += 1
+        self.rows += features.shape[1]
+        self.inner.add_context(features)
+
+    def propose(self, anchor, anchor_pos, count=None):
+        self.proposals += 1
+        return self.inner.propose(anchor, anchor_pos, count)
+
+
+def test_the_loop_feeds_the_draft_once_per_draft_cycle(pairs) -> None:
+    """Plain steps buffer their feature rows; a draft cycle adds them in one call; a fixed
+    window of 1 never drafts and feeds nothing. The output is the target's either way."""
+    from dflash.engine.drafters import DFlashDrafter
+
+    pair = pairs("qwen3")
+    ids = pair.tokenizer.encode("Once upon a time")
+    n = 48
+    ref = greedy_reference(pair.target.model, ids, n)
+    eos = set(pair.tokenizer.eos_token_ids)
+    if any(t in eos for t in ref):
+        ref = ref[: next(i for i, t in enumerate(ref) if t in eos)]
+    for window in ("auto", 1, "full"):
+        d = CountingDrafter(DFlashDrafter(pair.drafter.draft, pair.target))
+        final, _ = run_dflash(pair.target, d, pair.tokenizer, ids, n, verify_window=window)
+        assert final.token_ids == ref, window
+        prefill_calls = 1  # a short prompt: one chunk
+        if window == 1:
+            assert d.calls == prefill_calls and d.proposals == 0
+        else:
+            # prefill, then at most one call per draft cycle (the rows of the plain steps and
+            # cycles since the previous one)
+            assert d.calls - prefill_calls <= d.proposals
+            assert d.rows <= len(ids) + len(final.token_ids)
