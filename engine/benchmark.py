@@ -157,18 +157,24 @@ def _window(cfg: BenchConfig) -> str:
     return "full" if cfg.oracle else cfg.verify_window
 
 
+def _copy_draft(cfg: BenchConfig) -> bool:
+    """The oracle measures the model draft's ceiling: no copies beside it."""
+    return cfg.copy_draft and not cfg.oracle
+
+
 def run_dflash(
     setup: Setup, drafter: Drafter, ids: list[int], max_tokens: int, window: str = "auto",
-    sampling: Sampling = GREEDY,
+    sampling: Sampling = GREEDY, copy_draft: bool = True,
 ) -> tuple[list[int], dict]:
     """stream_dflash_generate on the same prompt ids, timed with the baseline's clock."""
     mx.synchronize()
     final: Finished | None = None
     t_first: float | None = None
     t0 = time.perf_counter()
+    copy = {} if copy_draft else {"copy_draft": False}  # the default: any engine version
     gen = stream_dflash_generate(
         setup.target, drafter, setup.tokenizer, ids, max_tokens, verify_window=window,
-        **sampling.kwargs(),
+        **sampling.kwargs(), **copy,
     )
     for ev in gen:
         if isinstance(ev, Finished):
@@ -189,6 +195,7 @@ def run_dflash(
         cycles=s.cycles,
         accepted_drafts=s.accepted_drafts,
         accept_histogram=list(s.accept_histogram),
+        copy_cycles=getattr(s, "copy_cycles", 0),
         engine_stats=s.to_dict(),
     )
     return list(final.token_ids), rec
@@ -361,7 +368,8 @@ class Bench:
         smp = self.sampling(temp)
         drafter = make_drafter(self.setup, self.cfg, reference or [], len(ids))
         self.ledger.begin()
-        out, rec = run_dflash(self.setup, drafter, ids, self.cfg.max_tokens, _window(self.cfg), smp)
+        out, rec = run_dflash(self.setup, drafter, ids, self.cfg.max_tokens, _window(self.cfg), smp,
+                              _copy_draft(self.cfg))
         rec["shapes"] = self.ledger.end(len(ids))
         rec["first_time"] = rec["shapes"]["first_time"]
         if not smp.greedy:
@@ -394,7 +402,8 @@ def _progress(bench: Bench, ctx: int, r: int, eng: str, rec: dict) -> None:
     tag = "ORACLE" if cfg.oracle else "dflash"
     extra = ""
     if eng == "dflash":
-        extra = f" | accept {rec['acceptance']:.1%}, {rec['tokens_per_cycle']:.2f} tok/cycle"
+        extra = (f" | accept {rec['acceptance']:.1%}, {rec['tokens_per_cycle']:.2f} tok/cycle, "
+                 f"{rec.get('copy_cycles', 0)} copy cycles")
     fresh = "" if rec.get("first_time") else " | REVISITED shapes"
     bench.log(f"   ctx {ctx} repeat {r + 1}/{cfg.repeats} {tag if eng == 'dflash' else eng:>8} "
               f"(prompt {rec['prompt_tokens']}): {rec['decode_tps']:8.1f} tok/s | TTFT "
@@ -829,6 +838,9 @@ def _temperatures(_ctx: Any, _param: Any, value: str) -> list[float]:
               help="Timed iterations of the M=block vs M=1 forward (0 = skip).")
 @click.option("--verify-window", default="auto", show_default=True,
               help="Tokens per verify: auto, full, or a number (oracle mode: always full).")
+@click.option("--copy-draft/--no-copy-draft", default=True, show_default=True,
+              help="Copy drafting beside the draft: verify a copy of what followed the text's last "
+                   "tokens earlier, where that is expected to pay (oracle mode: always off).")
 @click.option("--temperature", "temperatures", default="0", show_default=True,
               callback=_temperatures,
               help="Sampling temperature(s), comma-separated: 0 = greedy; e.g. 0,0.7 runs both, "

@@ -67,6 +67,7 @@ class BenchConfig:
     respect_eos: bool = False
     verify_iters: int = 10
     verify_window: str = "auto"  # oracle mode always verifies the full block
+    copy_draft: bool = True  # copy drafting beside the draft (engine/lookup.py); off in oracle mode
     temperatures: list[float] = field(default_factory=lambda: [0.0])  # 0 = greedy
     top_p: float = 1.0  # sampling only; 1 = off
     top_k: int = 0  # sampling only; 0 = off

@@ -37,6 +37,8 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, help="Cast target and draft (CPU: float32 is fastest).")
 @click.option("--kv-bits", type=click.IntRange(2, 8), default=None, help="Quantize the target's KV cache.")
 @click.option("--verify-window", default="auto", show_default=True, help="Tokens per verify: auto, full, or 1..block size (1 = plain decoding).")
+@click.option("--copy-draft/--no-copy-draft", default=True, show_default=True,
+              help="When the text repeats itself, verify a copy of what followed its last tokens instead of the draft's block, where that is expected to pay.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats, sampling).")
 @click.option("--temperature", "-t", type=click.FloatRange(min=0), default=0.0, show_default=True,
               callback=_finite, help="Sampling temperature; 0 = greedy (lossless: the target's argmax).")
@@ -46,8 +48,8 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
               help="Keep the k most likely tokens; 0 = off.")
 @click.option("--seed", type=click.IntRange(0, (1 << 64) - 1), default=None,
               help="Random seed for sampling; default: a random one, printed. The same seed repeats the same ids under a fixed --verify-window (auto follows timings).")
-def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtype, kv_bits, verify_window, as_json,
-             temperature, top_p, top_k, seed):
+def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtype, kv_bits, verify_window, copy_draft,
+             as_json, temperature, top_p, top_k, seed):
     """Generate with DFlash (greedy by default); prints text as it streams, then the stats."""
     from .generate import Finished, format_stats, stream_dflash_generate
     from .loading import load_pair
@@ -66,7 +68,7 @@ def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtyp
         final = None
         for ev in stream_dflash_generate(
             pair.target, pair.drafter, pair.tokenizer, ids, max_tokens, stop=stop, kv_bits=kv_bits,
-            verify_window=verify_window, **sampling,
+            verify_window=verify_window, copy_draft=copy_draft, **sampling,
         ):
             if isinstance(ev, Finished):
                 final = ev

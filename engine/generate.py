@@ -3,7 +3,9 @@
 `stream_dflash_generate` yields `TokenDelta`s and ends with one `Finished` carrying the stats.
 Greedy (temperature 0): every emitted token is the target's own argmax. Sampling: the output is
 distributed exactly as the target's own sampler (speculative sampling, engine/sampling.py).
-Either way the draft only decides how many tokens one target pass produces. The next cycle is
+Either way the draft only decides how many tokens one target pass produces. When the text
+repeats itself, a cycle may verify a copy of what followed an earlier occurrence of its last
+tokens instead of the model's draft (engine/lookup.py; window.py decides which). The next cycle is
 queued (async) before the current tokens are handed out, so the device works while the caller
 consumes text. An in-flight cycle that turns out not to be needed (stop, cancel, caller closed
 the generator) is rewound in `finally`, which leaves the caches exactly at the committed tokens.
@@ -21,6 +23,7 @@ import mlx.core as mx
 from . import rollback, sparse
 from . import sampling as sampling_mod
 from .drafters import Drafter
+from .lookup import CopyProposer
 from .prefix import PrefixSession
 from .sampling import DraftSampling, KeyChain, SamplingParams
 from .target import TargetModel
@@ -57,6 +60,8 @@ class GenerationStats:
     warnings: list[str] = field(default_factory=list)
     mean_verify_window: float = 0.0  # tokens per verify pass (see window.py)
     plain_steps: int = 0  # cycles run as plain decode steps (window 1: drafting did not pay)
+    copy_cycles: int = 0  # cycles that verified a copy proposal instead of the model's draft
+    copy_accepted: int = 0  # copied tokens accepted (part of accepted_drafts)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,6 +94,7 @@ def stream_dflash_generate(
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int | None = None,
+    copy_draft: bool = True,
 ) -> Iterator[TokenDelta | Finished]:
     """DFlash generation. Yields TokenDelta events, then one Finished with the stats.
 
@@ -101,6 +107,11 @@ def stream_dflash_generate(
     verify_window: "auto" (default; see window.py), "full" (the whole block, as published), or
     a fixed number of tokens per verify (2..block size). Never changes the output (greedy) or its
     distribution (sampling), only the speed.
+
+    copy_draft: when the last tokens occurred before (prompt or output), a cycle may verify the
+    tokens that followed them instead of the model's draft, whichever window.py expects to give
+    more tokens per unit of time (no draft pass at all). Deterministic proposals (q one-hot
+    under sampling): like the window, it never changes the output or its distribution.
 
     prefix_cache (e.g. dflash.cache.tiers.PrefixCache; not used with sparse prefill): resume
     from the longest stored prefix of the prompt and store snapshots of this prompt's prefill.
@@ -169,6 +180,11 @@ def stream_dflash_generate(
 
     no_drafts = mx.zeros((0,), mx.int32)  # a plain step verifies the anchor alone
     drafter_samples = "sampling" in inspect.signature(drafter.propose).parameters
+    # Copy drafting's lookup over the prompt and every committed token (host-side ids, known at
+    # each cycle's one host read); plain decoding (window 1) never copies.
+    proposer = CopyProposer() if copy_draft and window.fixed != 1 else None
+    if proposer is not None:
+        proposer.reset([*ids, first])
     # Feature rows of committed tokens reach the draft in one add_context per draft cycle, not one
     # per plain step (dozens of tiny ops each, all run at the next draft cycle); a fixed window
     # of 1 never drafts, so it feeds nothing.
@@ -191,15 +207,24 @@ def stream_dflash_generate(
             return verify(target, caches, anchor, drafts, record_tape)
         return verify(target, caches, anchor, drafts, record_tape, params, keys.next(), q)
 
+    def plan() -> tuple[int, list[int]]:
+        """The next cycle's window and, when it verifies a copy, the copied ids (else [])."""
+        copy, match = proposer.propose(drafter.block_size - 1) if proposer else ([], 0)
+        k, copying = window.plan(len(copy), match / proposer.min_ngram if proposer else 1.0)
+        return k, copy[: k - 1] if copying else []
+
     def launch(anchor: mx.array, pos: int) -> Verified:
-        k = window.next()  # 1: a plain decode step, no draft pass (see window.py)
+        k, copy = plan()  # k 1: a plain decode step, no draft pass (see window.py)
         if k == 1:
             return check(anchor, no_drafts)
+        # a key taken by every proposal kind: the verify draws never depend on the kind
+        draft_key = None if keys is None else keys.next()
+        if copy:  # no draft pass; ids only, so under sampling q is one-hot at them
+            cyc = check(anchor, mx.array(copy, dtype=mx.int32))
+            cyc.copied = True
+            return cyc
         flush()
-        if keys is None:
-            return check(anchor, drafter.propose(anchor, pos, k - 1))
-        draft_key = keys.next()  # taken by every drafter: the verify draws never depend on its kind
-        if not drafter_samples:  # it gives ids only: q is one-hot at them
+        if draft_key is None or not drafter_samples:  # ids only: q is one-hot at them
             return check(anchor, drafter.propose(anchor, pos, k - 1))
         drafts, q = drafter.propose(anchor, pos, k - 1, sampling=DraftSampling(params, draft_key))
         return check(anchor, drafts, q)
@@ -216,10 +241,12 @@ def stream_dflash_generate(
                 break
             cyc, inflight = inflight, None
             ahead = False
-            if cyc.block_len == 1 and window.next() == 1:
+            if cyc.block_len == 1 and plan() == (1, []):
                 # A plain step keeps its one token, so the next plain step can be queued on that
                 # token while it is still on the device, before this one is read (as mlx-lm's
-                # decode loop does); if this token ends generation, `finally` undoes it.
+                # decode loop does); if this token ends generation, `finally` undoes it. Not when
+                # a copy would win before that token is known: the text repeats, so read the
+                # token first and look its continuation up.
                 feed(cyc.features)
                 inflight = check(cyc.tokens[0], no_drafts)
                 ahead = True
@@ -235,9 +262,13 @@ def stream_dflash_generate(
             stats.plain_steps += cyc.block_len == 1
             stats.accepted_drafts += accepted
             stats.accept_histogram[accepted] += 1
-            window.observe(cyc.block_len, accepted, cycle_s)
+            stats.copy_cycles += cyc.copied
+            stats.copy_accepted += accepted if cyc.copied else 0
+            window.observe(cyc.block_len, accepted, cycle_s, cyc.copied)
             verified_tokens += cyc.block_len
             new = values[1 : 1 + n_keep]
+            if proposer is not None:
+                proposer.extend(new)
             done = out.push(new, [True] * accepted + [False], eos, max_tokens)
             pos += n_keep
             if not done and not ahead:
@@ -269,7 +300,9 @@ def format_stats(s: dict[str, Any]) -> str:
         f"{g('prefill_tps', 0):.1f} tok/s | generated {g('generated_tokens', 0)} tok, "
         f"{g('decode_tps', 0):.1f} tok/s | acceptance {g('acceptance', 0):.1%}, "
         f"{g('tokens_per_cycle', 0):.2f} tok/cycle over {g('cycles', 0)} cycles "
-        f"(verify window {g('mean_verify_window', 0):.1f}, {g('plain_steps', 0)} plain) | TTFT {g('ttft_s', 0) * 1000:.0f} ms | "
+        f"(verify window {g('mean_verify_window', 0):.1f}, {g('plain_steps', 0)} plain, "
+        f"{g('copy_cycles', 0)} copy with {g('copy_accepted', 0)} accepted) | "
+        f"TTFT {g('ttft_s', 0) * 1000:.0f} ms | "
         f"peak {g('peak_memory_gb', 0):.2f} GB | {g('finish_reason', '')}"
     )
 

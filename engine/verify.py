@@ -28,6 +28,7 @@ class Verified:
     features: mx.array  # [1, B, K*D] captured target features of the block
     tape: tape_mod.Tape | None
     summary: mx.array  # (1 + B,): [accepted drafts, tokens...]
+    copied: bool = False  # the drafts were a copy proposal (engine/lookup.py), not the model's
 
 
 def greedy_accept(drafts: mx.array, greedy: mx.array) -> mx.array:

@@ -24,6 +24,17 @@ the median of the last few plain steps (the first one after a draft cycle is not
 would inflate an average); the first draft cycle's time is not used (it also projects the whole
 prompt into the draft's context); the first usable measurement of d replaces the prior instead
 of being averaged with it, so a draft that does not pay is found out within a few cycles.
+
+Copy drafting (engine/lookup.py) offers a second proposal when the text's last tokens occurred
+before: the tokens that followed them. It needs no draft pass, so a copy window k costs
+1 + o + c*(k-1) steps (o: the cycle's overhead, measured like d, small), and it is expected to
+emit 1 + p' + ... + p'^(k-1) tokens, p' the running acceptance of copies raised for longer
+matches (p' = p ** (min_ngram / n) for an n-token match: a longer match is likelier to go on,
+and a long match gets tried again after copies failed). `plan` verifies the copy when its best
+rate beats what the cycle would otherwise do: the model's window, or a plain step, which is
+where copying matters most (repetitive text, a weak draft). Timing steps and probes of the
+model draft are never displaced; a fixed window copies that many tokens (fewer if the proposal
+is shorter) when that beats the model's draft at the same window; window 1 never copies.
 """
 
 from __future__ import annotations
@@ -34,10 +45,19 @@ from collections import deque
 
 import mlx.core as mx
 
+from .lookup import CopyAcceptance
+
 # Priors (c, d) per backend, in units of one decode step: c measured on SmolLM2-135M fp32 + MKL
 # (CPU, M=16 / M=1 = 2.4) and on an 8B shape in bf16 (H200, M=16 / M=1 = 1.4-1.55); d is a start
 # value that measurement replaces.
 DEFAULT_COSTS = {"cpu": (0.09, 0.2), "gpu": (0.035, 0.3)}
+COPY_OVERHEAD = 0.05  # o's prior: a copy cycle has no draft pass, only a host-side lookup
+
+
+def rate(p: float, k: int, overhead: float, c: float) -> float:
+    """Expected tokens per decode-step time of a window k at per-token acceptance p."""
+    p = min(p, 0.999)
+    return (1.0 - p**k) / (1.0 - p) / (1.0 + overhead + c * (k - 1))
 
 
 class VerifyWindow:
@@ -77,9 +97,11 @@ class VerifyWindow:
         self._draft_cycles = 0  # observed draft cycles; the first one's time is not used
         self._d_measured = False
         self.cycles = 0
-        self._since_draft = 0  # plain cycles since the last draft cycle
-        self._since_step = 0  # draft cycles since the last timed plain step
+        self._since_draft = 0  # cycles without the model's draft since its last one
+        self._since_step = 0  # draft and copy cycles since the last timed plain step
         self._best = self.best()  # changes only when a draft cycle is observed
+        self.copy = CopyAcceptance()  # per-token acceptance of copy proposals
+        self.o = COPY_OVERHEAD  # a copy cycle's overhead beyond its verify, in plain steps
 
     @property
     def p(self) -> float:
@@ -87,32 +109,60 @@ class VerifyWindow:
 
     def best(self) -> tuple[int, float]:
         """The window k >= 2 with the highest expected tokens per decode-step time, and that rate."""
-        p, best, best_rate = min(self.p, 0.999), 2, 0.0
-        expected = 1.0
-        for k in range(2, self.block_size + 1):
-            expected += p ** (k - 1)
-            rate = expected / (1.0 + self.d + self.c * (k - 1))
-            if rate > best_rate:
-                best, best_rate = k, rate
-        return best, best_rate
+        return max(((k, rate(self.p, k, self.d, self.c)) for k in range(2, self.block_size + 1)),
+                   key=lambda t: t[1])
 
     def next(self) -> int:
-        if self.fixed is not None:
-            return self.fixed
-        k, rate = self._best
-        if not self.allow_plain:
-            return k
-        if self.cycles >= 1 and (self.step_s is None or self._since_step >= self.remeasure_every):
-            return 1  # time a plain step: early, then again as the context grows
-        if rate < 1.0:
-            if self._since_draft < self._probe_gap:
-                return 1  # drafting does not pay at this acceptance: decode plainly for a while
-            return min(k, self.probe_window)  # a probe: the cheapest window that tests the draft
-        return k
+        """The window of the next cycle without copy drafting (1: a plain step)."""
+        return self._model()[0]
 
-    def observe(self, window: int, accepted: int, seconds: float | None = None) -> None:
-        """A cycle verified window-1 drafts, accepted the first `accepted`, and took `seconds`."""
+    def _model(self) -> tuple[int, float | None]:
+        """The model draft's (or a plain step's) window, and the rate a copy must beat to
+        replace it (None: it must run, a timing step, a probe or plain decoding)."""
+        if self.fixed is not None:
+            if self.fixed == 1:
+                return 1, None
+            return self.fixed, rate(self.p, self.fixed, self.d, self.c)
+        k, best_rate = self._best
+        if not self.allow_plain:
+            return k, best_rate
+        if self.cycles >= 1 and (self.step_s is None or self._since_step >= self.remeasure_every):
+            return 1, None  # time a plain step: early, then again as the context grows
+        if best_rate < 1.0:
+            if self._since_draft < self._probe_gap:
+                return 1, 1.0  # drafting does not pay at this acceptance: decode plainly for a while
+            return min(k, self.probe_window), None  # a probe: the cheapest window testing the draft
+        return k, best_rate
+
+    def plan(self, copy_len: int = 0, strength: float = 1.0) -> tuple[int, bool]:
+        """The next cycle: (window k, whether it verifies the copy proposal's first k-1 tokens).
+
+        copy_len: tokens the copy proposal holds (0: no match); strength: its match length over
+        the shortest match the lookup takes (>= 1; longer matches are likelier to continue).
+        """
+        k, to_beat = self._model()
+        if copy_len < 1 or to_beat is None:
+            return k, False
+        p = self.copy.p ** (1.0 / max(strength, 1.0))
+        top = min(copy_len + 1, self.block_size)
+        windows = [min(self.fixed, top)] if self.fixed is not None else range(2, top + 1)
+        k_copy, copy_rate = max(((j, rate(p, j, self.o, self.c)) for j in windows),
+                                key=lambda t: t[1])
+        return (k_copy, True) if copy_rate > to_beat else (k, False)
+
+    def observe(self, window: int, accepted: int, seconds: float | None = None,
+                copied: bool = False) -> None:
+        """A cycle verified window-1 drafts (`copied`: a copy proposal's), accepted the first
+        `accepted`, and took `seconds`."""
         self.cycles += 1
+        if copied:  # not a draft cycle: the model's estimates and the probe schedule stay
+            self._since_draft += 1
+            self._since_step += 1
+            self.copy.observe(window - 1, accepted)
+            if self.fixed is None and seconds is not None and self.step_s:
+                o = min(max(seconds / self.step_s - 1.0 - self.c * (window - 1), 0.0), 8.0)
+                self.o = 0.8 * self.o + 0.2 * o
+            return
         if window == 1:
             self._since_draft += 1
             self._since_step = 0

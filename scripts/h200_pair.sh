@@ -49,13 +49,18 @@ case "$1" in
     RESUME=""
     [ -n "${3:-}" ] && RESUME="--resume $PWD/$3"
     bg --time-budget-s "$2" $RESUME ;;
-  ab)  # ab BUDGET_S INIT KL_A KL_B: two single-GPU arms at once (GPU 0: --kl-weight KL_A, GPU 1:
-       # KL_B), same data cache, same init and schedule; each evaluates on the held-out set at the end
+  ab)  # ab BUDGET_S CK KL_A KL_B [FLAGS]: two single-GPU arms at once (GPU 0: --kl-weight KL_A,
+       # GPU 1: KL_B), same data cache, same start and schedule; each evaluates on the held-out set.
+       # CK: a checkpoint (has trainer.json: --resume, the campaign goes on) or a draft (--init-draft).
+       # DERIVE must not exceed the prompts the data step cached (else each arm derives more).
     model; ns
+    ck=$3; [ "${ck#/}" = "$ck" ] && ck=$PWD/$ck
+    START="--init-draft $ck"
+    [ -f "$ck/trainer.json" ] && START="--resume $ck"
     for arm in 0 1; do
       kl=$([ $arm = 0 ] && echo "$4" || echo "$5")
       CUDA_VISIBLE_DEVICES=$arm DATA=$TRAIN/data setsid nohup bash -c "bash scripts/train_smollm2_h200.sh \
-        $MODEL /tmp/arm$arm --time-budget-s $2 --init-draft $3 --kl-weight $kl ${*:6}; echo TRAIN_DONE" \
+        $MODEL /tmp/arm$arm --time-budget-s $2 $START --kl-weight $kl ${*:6}; echo TRAIN_DONE" \
         > /tmp/arm$arm.log 2>&1 < /dev/null &
     done
     sleep 20; tail -2 /tmp/arm0.log /tmp/arm1.log ;;

@@ -15,7 +15,7 @@
 # NGPU=2: data parallel through `mlx.launch --backend nccl -n 2 scripts/train_dist.py` (each rank
 # its GPU as gpu 0, its shard of the prompts and of every global batch; rank 0 writes). The global
 # batch is NGPU x --seqs-per-batch sequences. Env: MLX_LAUNCH (default /tmp/mlxsite/bin/mlx.launch).
-# Campaign knobs (env): TOTAL_STEPS (the cosine's length, default 20000), DERIVE (prompts the
+# Campaign knobs (env): TOTAL_STEPS (the cosine's length, default 30000), DERIVE (prompts the
 # target writes, default 150000), DATA (data cache dir, default OUT_DIR/data).
 set -euo pipefail
 if [ $# -lt 2 ]; then
@@ -41,7 +41,7 @@ ARGS=(--target "$MODEL" --out "$OUT" --data-dir "${DATA:-$OUT/data}"
   --layers 5 --block-size 16 --num-capture 5
   --num-prompts 4400 --derive-prompts "${DERIVE:-150000}" --max-new-tokens 512 --gen-batch-size 1024
   --max-len 640 --seqs-per-batch 16 --anchors-per-seq 64
-  --total-steps "${TOTAL_STEPS:-20000}" --lr 6e-4 --warmup 0.04 --min-lr-ratio 0.05
+  --total-steps "${TOTAL_STEPS:-30000}" --lr 6e-4 --warmup 0.04 --min-lr-ratio 0.05
   --dtype bfloat16 --compute-dtype bfloat16 --eval-max-tokens 256 --ckpt-every 1000 --log-every 50)
 
 if [ "$NGPU" -gt 1 ]; then

@@ -321,3 +321,21 @@ def test_two_ranks_over_mlx_launch(looping: Path, tmp_path: Path):
     assert sorted(f.name for f in data.glob("responses*.jsonl")) == ["responses.0of2.jsonl", "responses.1of2.jsonl"]
     assert "2 rank(s)" in p.stdout + p.stderr and [r["step"] for r in _log(out)] == [3, 6]
     assert json.loads((out / "checkpoint" / "trainer.json").read_text())["sessions"][0]["world_size"] == 2
+
+
+def test_derived_prompt_cache_of_two_ranks_serves_one_rank(tmp_path: Path):
+    """A single-GPU run after a 2-rank data step reuses both ranks' prompts: nothing is derived.
+
+    (Seen on the H200: a 1-rank run asked for as many prompts as 2 ranks had cached, found a
+    few fewer after deduplication, and derived a whole new share instead of the few missing.)
+    """
+    from dflash.engine.training import data as td
+
+    rows = {0: [("derived", f"question {i}") for i in range(0, 10)],
+            1: [("derived", f"question {i}") for i in range(8, 20)]}  # 2 duplicates across ranks
+    for rank, pairs in rows.items():
+        (tmp_path / td.shard_name("derived_prompts", rank, 2)).write_text(
+            "".join(json.dumps({"kind": k, "prompt": p}) + "\n" for k, p in pairs))
+    got = td.cached_derived_prompts(None, None, 18, tmp_path)  # model None: deriving would fail
+    assert [p for _, p in got] == [f"question {i}" for i in range(18)]
+    assert not (tmp_path / "derived_prompts.jsonl").exists()

@@ -429,9 +429,10 @@ def cached_derived_prompts(
     """`n` prompts written by the target; cached in data_dir (JSONL, the prompt-file format).
 
     Every shard file already there counts (a cache made by any number of ranks); when they hold
-    fewer than n, each rank derives its share with its own seed into its own file. Every rank
-    returns the same list: the union of all files in name order, deduplicated. Collective: every
-    rank calls it (barriers keep all reads before any write).
+    fewer than n, each rank derives its share of the MISSING prompts only (with a seed that also
+    depends on how many exist, so new draws are not the cached ones again) and appends them to
+    its own file. Every rank returns the same list: the union of all files in name order,
+    deduplicated. Collective: every rank calls it (barriers keep all reads before any write).
     """
     if n <= 0:
         return []
@@ -439,14 +440,14 @@ def cached_derived_prompts(
     have = _all_derived(data_dir)
     barrier()
     if len(have) < n:
-        share = -(-n // size)
+        share = -(-(n - len(have)) // size)
         path = data_dir / shard_name("derived_prompts", rank, size)
         mine = load_prompt_file(path) if path.is_file() else []
-        if len(mine) < share:
-            mine = derive_prompts(model, tokenizer, share, seed + 1000 * rank, batch_size, log=log)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(json.dumps({"kind": k, "prompt": p}) + "\n" for k, p in mine))
-            tmp.replace(path)
+        new = derive_prompts(model, tokenizer, share, seed + 1000 * rank + 1_000_003 * len(have),
+                             batch_size, log=log)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps({"kind": k, "prompt": p}) + "\n" for k, p in mine + new))
+        tmp.replace(path)
     barrier()
     return _all_derived(data_dir)[:n]
 

@@ -29,7 +29,8 @@ def evaluate(
     for s in samples:
         final = None
         for ev in stream_dflash_generate(
-            target, drafter, tokenizer, s.prompt_ids, max_tokens, verify_window="full"
+            target, drafter, tokenizer, s.prompt_ids, max_tokens, verify_window="full",
+            copy_draft=False,
         ):
             if isinstance(ev, Finished):
                 final = ev
