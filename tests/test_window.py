@@ -124,3 +124,18 @@ def test_the_loop_feeds_the_draft_once_per_draft_cycle(pairs) -> None:
             # cycles since the previous one)
             assert d.calls - prefill_calls <= d.proposals
             assert d.rows <= len(ids) + len(final.token_ids)
+
+
+def test_stats_estimate_the_speedup_from_timed_plain_steps(pairs) -> None:
+    """`est_speedup` = decode tok/s x the plain-step time measured in the same run: set when the
+    auto window timed plain steps, 0 when a fixed window never took one."""
+    pair = pairs("qwen3")
+    ids = pair.tokenizer.encode("Once upon a time")
+    saved, pair.tokenizer.eos_token_ids = pair.tokenizer.eos_token_ids, set()  # run all 48 tokens
+    try:
+        auto, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, 48, verify_window="auto")
+        full, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, 48, verify_window="full")
+    finally:
+        pair.tokenizer.eos_token_ids = saved
+    assert auto.stats.plain_steps > 0 and 0.05 < auto.stats.est_speedup < 20
+    assert full.stats.plain_steps == 0 and full.stats.est_speedup == 0.0
