@@ -150,6 +150,10 @@ class VerifyWindow:
                                 key=lambda t: t[1])
         return (k_copy, True) if copy_rate > to_beat else (k, False)
 
+    def _overhead(self, seconds: float, window: int) -> float:
+        """A cycle's cost beyond its verify (1 + c*(k-1) steps), in plain steps, clipped to 0..8."""
+        return min(max(seconds / self.step_s - 1.0 - self.c * (window - 1), 0.0), 8.0)
+
     def observe(self, window: int, accepted: int, seconds: float | None = None,
                 copied: bool = False) -> None:
         """A cycle verified window-1 drafts (`copied`: a copy proposal's), accepted the first
@@ -160,8 +164,7 @@ class VerifyWindow:
             self._since_step += 1
             self.copy.observe(window - 1, accepted)
             if self.fixed is None and seconds is not None and self.step_s:
-                o = min(max(seconds / self.step_s - 1.0 - self.c * (window - 1), 0.0), 8.0)
-                self.o = 0.8 * self.o + 0.2 * o
+                self.o = 0.8 * self.o + 0.2 * self._overhead(seconds, window)
             return
         if window == 1:
             self._since_draft += 1
@@ -177,7 +180,7 @@ class VerifyWindow:
         self.failures = self.failures * self.decay + (1 if accepted < window - 1 else 0)
         if (self.fixed is None and seconds is not None and self.step_s
                 and self._draft_cycles > 1):
-            d = min(max(seconds / self.step_s - 1.0 - self.c * (window - 1), 0.0), 8.0)
+            d = self._overhead(seconds, window)
             self.d = 0.8 * self.d + 0.2 * d if self._d_measured else d
             self._d_measured = True
         self._best = self.best()

@@ -94,6 +94,15 @@ class Daemon:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def running(tiny_pair: tuple[str, str], **settings):
+    """A started daemon for a module fixture (`yield from running(tiny_pair, ...)`), then stopped."""
+    d = Daemon(*tiny_pair, **settings)
+    try:
+        yield d.start()
+    finally:
+        d.stop()
+
+
 @pytest.fixture
 def make_daemon(tiny_pair):
     """Factory: make_daemon(**settings) -> started Daemon; all torn down after the test."""

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from daemon_fixtures import PROMPTS, Daemon, make_daemon, reference, tiny_pair  # noqa: F401
+from daemon_fixtures import PROMPTS, running, make_daemon, reference, tiny_pair  # noqa: F401
 
 from dflash.client import AsyncDFlashClient, BadRequestError, BusyError, NotFoundError
 from dflash.daemon import paths
@@ -20,11 +20,7 @@ from dflash.daemon import paths
 
 @pytest.fixture(scope="module")
 def daemon(tiny_pair):  # noqa: F811
-    d = Daemon(*tiny_pair, max_queue=3)
-    try:
-        yield d.start()
-    finally:
-        d.stop()
+    yield from running(tiny_pair, max_queue=3)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from daemon_fixtures import PROMPTS, Daemon, reference, tiny_pair  # noqa: F401
+from daemon_fixtures import PROMPTS, running, reference, tiny_pair  # noqa: F401
 
 from dflash.client import BadRequestError, CacheUnavailableError, NotFoundError
 
@@ -20,11 +20,7 @@ LONG = PROMPTS[3] + " " + " ".join(PROMPTS[4:8])  # a few dozen tokens: several 
 
 @pytest.fixture(scope="module")
 def daemon(tiny_pair):  # noqa: F811
-    d = Daemon(*tiny_pair, cache_every=16)
-    try:
-        yield d.start()
-    finally:
-        d.stop()
+    yield from running(tiny_pair, cache_every=16)
 
 
 @pytest.fixture

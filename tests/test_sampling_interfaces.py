@@ -14,7 +14,7 @@ import msgpack
 import pytest
 import zmq
 from click.testing import CliRunner
-from daemon_fixtures import PROMPTS, Daemon, reference, tiny_pair  # noqa: F401
+from daemon_fixtures import PROMPTS, Daemon, running, reference, tiny_pair  # noqa: F401
 
 from dflash.client import AsyncDFlashClient, BadRequestError, DFlashClient, ProtocolVersionError
 from dflash.daemon import protocol as P
@@ -26,11 +26,7 @@ FULL = dict(verify_window="full")
 
 @pytest.fixture(scope="module")
 def daemon(tiny_pair):  # noqa: F811
-    d = Daemon(*tiny_pair, verify_window="full")
-    try:
-        yield d.start()
-    finally:
-        d.stop()
+    yield from running(tiny_pair, verify_window="full")
 
 
 @pytest.fixture
