@@ -12,6 +12,10 @@ Wire (one msgpack header frame, then an optional raw payload frame):
          pos_put {name, positions}, pos_get {name}, pos_list, pos_delete {name}
 A put with ack=False gets no reply (write-behind from the worker). Bad frames get an error reply
 (or are dropped when no reply is possible); nothing a client sends stops the process.
+Snapshots are other users' prompts' KV state: everything this process creates is private (umask
+077; the store directories are chmod 0700 even when they already existed). A damaged store is
+moved aside and recreated at start-up (cache/repair.py); damage found while serving ends the
+process so that its restart does that.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ import diskcache
 import msgpack
 import zmq
 
-from . import snapshot
+from . import repair, snapshot
+from .snapshot import CorruptSnapshot
 
 PROTOCOL_VERSION = 1
 DEFAULT_SIZE_LIMIT = 16 << 30
@@ -65,19 +70,22 @@ class Store:
     """The two diskcache stores: snapshots (LRU within a byte budget) and position lists."""
 
     def __init__(self, directory: str | Path, size_limit: int = DEFAULT_SIZE_LIMIT):
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        self.snaps = diskcache.Cache(
-            str(directory / "snapshots"),
+        directory = _private_dir(Path(directory).absolute())
+        self.snaps, _ = repair.open_store(
+            directory / "snapshots", _snapshot_key, label="L2 snapshot store",
             disk=BytesOnlyDisk,
             size_limit=size_limit,
             eviction_policy="least-recently-used",
             cull_limit=10,  # each write culls at most 10 entries: eviction stays gradual
         )
         # Position lists are user data, not a cache: never evicted.
-        self.positions = diskcache.Cache(
-            str(directory / "positions"), disk=BytesOnlyDisk, eviction_policy="none"
+        self.positions, _ = repair.open_store(
+            directory / "positions", _positions_key, label="position-list store", disk=BytesOnlyDisk,
+            eviction_policy="none",
         )
+        for sub in ("snapshots", "positions"):  # stores made by older versions were 0755
+            _private_dir(directory / sub)
+        self.recoveries = repair.notes(directory)  # damaged stores kept for inspection
         self.counters = dict(
             hits=0, misses=0, puts=0, corrupt_dropped=0, write_errors=0, evictions=0,
             bad_requests=0,
@@ -89,12 +97,14 @@ class Store:
             try:
                 data = self.snaps.get(key, default=None, retry=True)
             except Exception as e:  # unreadable file or row: treat like corruption
+                if repair.is_damage(e):
+                    raise  # the database itself: the server stops, a restart recreates it
                 log.warning("dropping unreadable entry %s: %s", key, e)
                 self._drop(key)
                 continue
             if data is None:
                 continue
-            reason = snapshot.verify(data)
+            reason = snapshot.verify(data, key)
             if reason:
                 log.warning("dropping corrupt entry %s: %s", key, reason)
                 self._drop(key)
@@ -115,13 +125,15 @@ class Store:
         """Store one snapshot; return "" or an error code (writes fail soft)."""
         if not key.startswith(SNAP_PREFIX) or len(key) > 256:
             return "bad_key"
-        if snapshot.verify(data):
+        if snapshot.verify(data, key):  # intact, and bound to this key
             return "corrupt_value"
         try:
             before = len(self.snaps) + (0 if key in self.snaps else 1)
             self.snaps.set(key, data, retry=True)
             self.counters["evictions"] += max(0, before - len(self.snaps))
         except Exception as e:  # ENOSPC, EFBIG, sqlite "database or disk is full", ...
+            if repair.is_damage(e):
+                raise
             log.warning("write of %s failed: %s", key, e)
             self.counters["write_errors"] += 1
             return "write_failed"
@@ -130,7 +142,8 @@ class Store:
 
     def stats(self) -> dict[str, Any]:
         return dict(self.counters, entries=len(self.snaps), bytes=self.snaps.volume(),
-                    size_limit=self.snaps.size_limit, position_lists=len(self.positions))
+                    size_limit=self.snaps.size_limit, position_lists=len(self.positions),
+                    recoveries=self.recoveries)
 
     def close(self) -> None:
         self.snaps.close()
@@ -148,6 +161,7 @@ class Server:
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_message)
         self.sock.bind(endpoint)
         self.running = True
+        self.damaged = ""  # set when a store turns out damaged while serving
 
     def serve(self) -> None:
         poller = zmq.Poller()
@@ -185,6 +199,8 @@ class Server:
         except Exception as e:  # a store failure is reported, never fatal
             log.exception("request %s failed", req.get("op"))
             result, blob = {"ok": False, "code": "internal", "message": str(e)}, None
+            if repair.is_damage(e):  # but a damaged database is repaired by a restart
+                self.damaged, self.running = str(e), False
         if req.get("op") == "put" and not req.get("ack", True):
             return None
         out = [peer, _pack(dict(result, id=rid))]
@@ -273,9 +289,35 @@ def _pack(msg: dict) -> bytes:
     return msgpack.packb(dict(msg, v=PROTOCOL_VERSION), use_bin_type=True)
 
 
+def _snapshot_key(key: str | None, data: bytes) -> str | None:
+    """Salvage: the key an intact snapshot entry carries (its row's key must agree), or None."""
+    try:
+        k = snapshot.entry_key(data)
+    except CorruptSnapshot:
+        return None
+    return k if k.startswith(SNAP_PREFIX) and key in (None, k) and not snapshot.verify(data, k) else None
+
+
+def _positions_key(key: str | None, data: bytes) -> str | None:
+    """Salvage: a position list is kept from a readable row whose value is a list of ints >= 0."""
+    try:
+        values = msgpack.unpackb(data)
+    except Exception:
+        return None
+    ok = key is not None and isinstance(values, list) and all(type(p) is int and p >= 0 for p in values)
+    return key if ok else None
+
+
+def _private_dir(path: Path) -> Path:
+    """Create `path` (and missing parents) 0700, or tighten it to 0700 if it already existed."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path, 0o700)
+    return path
+
+
 def _lock(directory: Path):
     """Hold an exclusive lock on the store directory: one cache process per store."""
-    directory.mkdir(parents=True, exist_ok=True)
+    _private_dir(directory)
     f = open(directory / "l2.lock", "w")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -287,9 +329,14 @@ def _lock(directory: Path):
 
 
 def run(directory: str | Path, endpoint: str, size_limit: int = DEFAULT_SIZE_LIMIT) -> None:
-    """Serve until SIGTERM/SIGINT."""
+    """Serve until SIGTERM/SIGINT (exit 1 when a store turned out damaged: restart to repair)."""
+    os.umask(0o077)  # every file and directory this process creates is private
     directory = Path(directory)
-    lock = _lock(directory)
+    try:
+        lock = _lock(directory)
+    except PermissionError as e:  # e.g. a cache_dir owned by another user: restarting won't help
+        log.error("cannot use %s as the cache directory: %s", directory, e)
+        raise SystemExit(2)
     if endpoint.startswith("ipc://"):
         Path(endpoint[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True)
     store = Store(directory, size_limit)
@@ -309,6 +356,9 @@ def run(directory: str | Path, endpoint: str, size_limit: int = DEFAULT_SIZE_LIM
         server.close()
         store.close()
         lock.close()
+    if server.damaged:
+        log.error("L2 store damaged while serving (%s); exiting so that a restart repairs it", server.damaged)
+        raise SystemExit(1)
 
 
 def start_cache_process(

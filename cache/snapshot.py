@@ -11,15 +11,18 @@ KV cache through msgpack copied it twice and cost ~10x the memory bandwidth; thi
 one join, and decoding hands out memoryviews into the received buffer (no copy).
 
 Envelope layout (all little-endian):
-    magic  b"DFSN"      4 bytes
-    format version      u16
-    reserved            u16 (0)
-    map length          u64
-    blob length         u64
-    crc32(map + blobs)  u32   (detects truncation and bit rot; the cache is local, not hostile)
-    map                 msgpack
-    blobs               raw bytes
-A short, long or altered value fails `verify` and is never decoded.
+    magic  b"DFSN"            4 bytes
+    format version            u16
+    key length                u16
+    map length                u64
+    blob length               u64
+    crc32(key + map + blobs)  u32   (detects truncation and bit rot; the cache is local, not hostile)
+    key                       utf-8 (the cache key the entry was stored under; may be empty)
+    map                       msgpack
+    blobs                     raw bytes
+A short, long or altered value fails `verify` and is never decoded. The key travels inside the
+checked bytes so that an entry read back under another key (swapped files, a damaged index) is
+refused instead of restoring another prompt's state: `verify(data, key)`.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 
 import msgpack
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: the envelope carries its key
 MAGIC = b"DFSN"
 _HEADER = struct.Struct("<4sHHQQI")
 HEADER_SIZE = _HEADER.size
@@ -58,8 +61,12 @@ class CorruptSnapshot(ValueError):
     """The bytes are not a complete, intact snapshot of the supported format version."""
 
 
-def encode(body: dict[str, Any]) -> bytes:
-    """Pack a snapshot body (plain msgpack types and array records) into a checked envelope."""
+def encode(body: dict[str, Any], key: str = "") -> bytes:
+    """Pack a snapshot body (plain msgpack types and array records) into a checked envelope
+    bound to `key` (the cache key it will be stored under)."""
+    kb = key.encode()
+    if len(kb) > 0xFFFF:
+        raise ValueError("key too long")
     blobs: list[bytes | memoryview] = []
     size = 0
 
@@ -77,27 +84,41 @@ def encode(body: dict[str, Any]) -> bytes:
         return obj
 
     packed = msgpack.packb(out_of_line(body), use_bin_type=True)
-    crc = zlib.crc32(packed)
+    crc = zlib.crc32(packed, zlib.crc32(kb))
     for b in blobs:
         crc = zlib.crc32(b, crc)
-    header = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(packed), size, crc)
-    return b"".join([header, packed, *blobs])
+    header = _HEADER.pack(MAGIC, FORMAT_VERSION, len(kb), len(packed), size, crc)
+    return b"".join([header, kb, packed, *blobs])
 
 
-def verify(data: bytes | memoryview) -> str:
-    """Return "" when `data` is an intact envelope of this format version, else the reason."""
+def verify(data: bytes | memoryview, key: str | None = None) -> str:
+    """Return "" when `data` is an intact envelope of this format version (bound to `key`, when
+    given), else the reason."""
     if len(data) < HEADER_SIZE:
         return "truncated header"
-    magic, version, _, map_len, blob_len, crc = _HEADER.unpack_from(data, 0)
+    magic, version, key_len, map_len, blob_len, crc = _HEADER.unpack_from(data, 0)
     if magic != MAGIC:
         return "bad magic"
     if version != FORMAT_VERSION:
         return f"format version {version} != {FORMAT_VERSION}"
-    if len(data) - HEADER_SIZE != map_len + blob_len:
-        return f"body is {len(data) - HEADER_SIZE} bytes, header says {map_len + blob_len}"
+    if len(data) - HEADER_SIZE != key_len + map_len + blob_len:
+        return f"body is {len(data) - HEADER_SIZE} bytes, header says {key_len + map_len + blob_len}"
+    if key is not None and bytes(data[HEADER_SIZE : HEADER_SIZE + key_len]) != key.encode():
+        return "entry belongs to another key"
     if zlib.crc32(memoryview(data)[HEADER_SIZE:]) != crc:
         return "checksum mismatch"
     return ""
+
+
+def entry_key(data: bytes | memoryview) -> str:
+    """The key an envelope says it belongs to (header only: `verify` checks the rest)."""
+    if len(data) < HEADER_SIZE or bytes(data[:4]) != MAGIC:
+        raise CorruptSnapshot("not a snapshot envelope")
+    key_len = _HEADER.unpack_from(data, 0)[2]
+    try:
+        return bytes(data[HEADER_SIZE : HEADER_SIZE + key_len]).decode()
+    except UnicodeDecodeError as e:
+        raise CorruptSnapshot("key is not utf-8") from e
 
 
 def decode(data: bytes | memoryview) -> dict[str, Any]:
@@ -109,8 +130,9 @@ def decode(data: bytes | memoryview) -> dict[str, Any]:
     if reason:
         raise CorruptSnapshot(reason)
     view = memoryview(data)
-    map_len = _HEADER.unpack_from(view, 0)[3]
-    blobs = view[HEADER_SIZE + map_len :]
+    _, _, key_len, map_len, _, _ = _HEADER.unpack_from(view, 0)
+    start = HEADER_SIZE + key_len
+    blobs = view[start + map_len :]
 
     def blob(code: int, raw: bytes) -> Any:
         if code != _BLOB_REF or len(raw) != _REF.size:
@@ -121,7 +143,7 @@ def decode(data: bytes | memoryview) -> dict[str, Any]:
         return blobs[off : off + n]
 
     try:
-        body = msgpack.unpackb(view[HEADER_SIZE : HEADER_SIZE + map_len], raw=False, ext_hook=blob)
+        body = msgpack.unpackb(view[start : start + map_len], raw=False, ext_hook=blob)
     except Exception as e:  # checksum passed, so this is a writer bug; still never load it
         raise CorruptSnapshot(f"undecodable body: {e}") from e
     if not isinstance(body, dict):

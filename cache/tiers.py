@@ -196,8 +196,11 @@ class PrefixCache:
                 return None
             key, data = got
             try:
+                # The process checks too; never load a bad entry, nor one stored for another key.
+                if fmt.entry_key(data) != key:
+                    raise CorruptSnapshot("entry belongs to another key")
                 snap = self.decode(data)
-            except CorruptSnapshot as e:  # the process checks too; never load a bad entry
+            except CorruptSnapshot as e:
                 log.warning("dropping corrupt L2 entry %s: %s", key, e)
                 self._stats.corrupt_dropped += 1
                 self.l2.delete(key)
@@ -234,7 +237,7 @@ class PrefixCache:
         while True:
             key, body = self._writes.get()
             try:
-                ok = self.l2 is not None and self.l2.put(key, fmt.encode(body))
+                ok = self.l2 is not None and self.l2.put(key, fmt.encode(body, key))
                 self._stats.l2_writes += ok
                 self._stats.l2_dropped_writes += not ok
             except Exception:

@@ -15,7 +15,7 @@ from dflash.daemon import protocol as P
 from dflash.daemon.config import DaemonConfig
 
 from . import errors as E
-from .client import Delta, Result, client_config, make_submit, reply_error, setup_curve
+from .client import Delta, Result, client_config, int_list, make_submit, reply_error, setup_curve
 
 
 class AsyncDFlashClient:
@@ -138,7 +138,7 @@ class AsyncDFlashClient:
         return (await self._call(P.Models())).data["models"]
 
     async def put_positions(self, name: str, positions: list[int]) -> dict:
-        return (await self._call(P.PutPositions(name=name, positions=[int(p) for p in positions]))).data
+        return (await self._call(P.PutPositions(name=name, positions=int_list(positions, "positions")))).data
 
     async def get_positions(self, name: str) -> list[int]:
         return list((await self._call(P.GetPositions(name=name))).data["positions"])

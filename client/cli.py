@@ -1,7 +1,9 @@
-"""`dflash-client`: prompt the daemon from a shell; status and jobs.
+"""`dflash-client`: prompt the daemon from a shell; fetch a job's result by id; status and jobs.
 
-Exit codes: 0 done, 1 the job failed, 2 usage or bad request, 3 no worker / worker died,
-4 busy (queue full), 124 the job hit its time limit, 130 cancelled with Ctrl-C.
+Exit codes: 0 done, 1 the job failed, 2 usage or bad request (including a prompt, from stdin or
+an argument, that is not UTF-8: refused with one line, never guessed at), 3 no worker / worker died,
+4 busy (queue full), 5 no such job (or its result expired) or position list, 124 the job hit its
+time limit, 130 Ctrl-C (cancels a `prompt`; `result` only stops waiting).
 """
 
 from __future__ import annotations
@@ -9,18 +11,48 @@ from __future__ import annotations
 import json
 import math
 import sys
+from typing import NoReturn
 
 import click
 
 from . import errors as E
-from .client import DFlashClient
+from .client import DFlashClient, Result
 
-EXIT = {E.BusyError: 4, E.BadRequestError: 2, E.WorkerUnavailableError: 3, E.WorkerGoneError: 3}
+EXIT = {E.BusyError: 4, E.BadRequestError: 2, E.WorkerUnavailableError: 3, E.WorkerGoneError: 3, E.NotFoundError: 5}
 
 
 def _fail(e: E.DFlashError) -> None:
     click.echo(f"dflash-client: {e}", err=True)
     sys.exit(EXIT.get(type(e), 1))
+
+
+def _usage_error(message: str) -> NoReturn:
+    click.echo(f"dflash-client: {message}", err=True)
+    sys.exit(2)
+
+
+def _stdin_text() -> str:
+    """stdin as UTF-8, strictly: bytes that are not UTF-8 are refused, never guessed at."""
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        _usage_error(f"stdin is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                     "convert it first, e.g. with iconv -t UTF-8")
+
+
+def _require_utf8(value: str | None, what: str) -> None:
+    """Refuse an argument that was not UTF-8 on the command line (Python keeps such bytes as
+    surrogates, which cannot be sent)."""
+    if value is None:
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(value[e.start])
+        byte = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"{ascii(value[e.start])}"
+        _usage_error(f"{what} is not UTF-8 text ({byte} at character {e.start}); convert it first, "
+                     "e.g. with iconv -t UTF-8")
 
 
 def _finite(ctx, param, value):
@@ -77,12 +109,16 @@ def prompt(client: DFlashClient, text, max_tokens, system, stop, priority, raw, 
     """Generate from TEXT (stdin when omitted), streaming to stdout. Ctrl-C cancels the job.
 
     Sampling flags left out take the daemon's defaults (greedy unless its config says otherwise)."""
-    if text is None:
-        text = sys.stdin.read()
+    text = _stdin_text() if text is None else text
+    for what, value in (("TEXT", text), ("--system", system), *(("--stop", s) for s in stop)):
+        _require_utf8(value, what)
     positions = _parse_positions(positions_text) if positions_text else None
-    stream = client.stream(text, max_tokens=max_tokens, system=system, stop=stop, priority=priority, raw=raw,
-                           cache=cache, positions=positions, positions_name=positions_name,
-                           temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    try:  # a value the client refuses (e.g. a --positions-name that is not UTF-8) is one line, exit 2
+        stream = client.stream(text, max_tokens=max_tokens, system=system, stop=stop, priority=priority, raw=raw,
+                               cache=cache, positions=positions, positions_name=positions_name,
+                               temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    except E.DFlashError as e:
+        _fail(e)
     try:
         for delta in stream:
             if not as_json:
@@ -94,12 +130,36 @@ def prompt(client: DFlashClient, text, max_tokens, system, stop, priority, raw, 
         sys.exit(130)
     except E.DFlashError as e:
         _fail(e)
-    res = stream.result
+    _finish(stream.result, as_json, show_stats, text_shown=True)
+
+
+@main.command()
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats).")
+@click.option("--stats", "show_stats", is_flag=True, help="Print the job's stats line on stderr.")
+@click.pass_obj
+def result(client: DFlashClient, job_id, as_json, show_stats):
+    """Wait for job JOB_ID and print its text, as `prompt` does (e.g. the job a worker_gone error
+    names: held since its client left, it runs now). Ctrl-C stops waiting, not the job."""
+    try:
+        res = client.job(job_id).result()
+    except KeyboardInterrupt:
+        click.echo(f"\ndflash-client: stopped waiting; job {job_id} goes on (dflash-client cancel {job_id} "
+                   "stops it)", err=True)
+        sys.exit(130)
+    except E.DFlashError as e:
+        _fail(e)
+    _finish(res, as_json, show_stats, text_shown=False)
+
+
+def _finish(res: Result, as_json: bool, show_stats: bool, text_shown: bool) -> None:
+    """Print a finished job (its text unless already streamed, or one JSON object; the stats line
+    on stderr) and exit 124 when it hit its time limit."""
     if as_json:
         click.echo(json.dumps({"job_id": res.job_id, "text": res.text, "token_ids": res.token_ids,
                                "finish_reason": res.finish_reason, "stats": res.stats}))
     else:
-        click.echo()
+        click.echo("" if text_shown else res.text)
     if show_stats:
         from dflash.engine.generate import format_stats
 
@@ -120,11 +180,21 @@ def status(client: DFlashClient, as_json):
     if as_json:
         click.echo(json.dumps(st, indent=2))
         return
-    for key in ("state", "pid", "endpoint", "accel", "uptime_s", "queued", "running", "jobs_done",
+    for key in ("state", "pid", "endpoint", "accel", "uptime_s", "queued", "running", "held", "jobs_done",
                 "jobs_failed", "jobs_cancelled", "tokens_generated", "restarts"):
         click.echo(f"{key:18} {st.get(key)}")
+    for note in store_notes(st):
+        click.echo(f"{'job store note':18} {note}")
     for line in cache_lines(st.get("cache")):
         click.echo(line)
+
+
+def store_notes(st: dict) -> list[str]:
+    """Lines about damaged job stores the worker replaced, for as long as the damaged copy is kept
+    (shared with `dflashd start` and `dflashd status`)."""
+    return [f"job store was damaged ({n.get('reason')}) at {n.get('at')}: recreated, {n.get('salvaged')} jobs and "
+            f"results salvaged; the damaged copy is kept in {n.get('moved_to')} (delete it when done)"
+            for n in st.get("job_store") or ()]
 
 
 def cache_lines(cache: dict | None) -> list[str]:
@@ -138,6 +208,7 @@ def cache_lines(cache: dict | None) -> list[str]:
         f"({cache.get('hit_tokens', 0)} prompt tokens reused; L1 {l1.get('hits', 0)}, L2 {l2.get('hits', 0)})",
         f"{'cache L1':18} {l1.get('entries', 0)} entries, {_mib(l1.get('bytes', 0))}, {l1.get('evictions', 0)} evictions",
         f"{'cache L2':18} {l2.get('entries', 0)} entries, {_mib(l2.get('bytes', 0))}, {l2.get('evictions', 0)} evictions",
+        *(f"{'cache note':18} {note}" for note in cache.get("notes", ())),
     ]
 
 

@@ -10,13 +10,14 @@ raises WorkerGoneError, so a dead worker is noticed within seconds.
 from __future__ import annotations
 
 import itertools
+import numbers
 import operator
 import os
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import zmq
 import zmq.auth
@@ -55,7 +56,7 @@ def make_submit(
     system: str | None = None,
     raw: bool = False,
     max_tokens: int = 256,
-    stop: Sequence[str] = (),
+    stop: str | Sequence[str] = (),
     priority: int = 0,
     stream: bool = True,
     timeout_s: float | None = None,
@@ -69,35 +70,90 @@ def make_submit(
     top_k: int | None = None,
     seed: int | None = None,
 ) -> P.Submit:
-    """A Submit from a text prompt, a list of chat messages, or a list of token ids.
+    """A Submit from a text prompt (str), a list of chat messages (dicts) or a list of token ids.
 
     cache: "use" (default), "bypass" or "refresh"; positions / positions_name: sparse prefill of
     those indices of the prompt's token ids (a list given here, or one stored by name).
     temperature (0 = greedy), top_p (1 = off), top_k (0 = off), seed (0..2^64-1): sampling; None
     leaves each to the daemon's configured default (greedy unless its config says otherwise).
-    Out-of-range values are a BadRequestError (code bad_sampling), as the worker would answer."""
-    sub = P.Submit(system=system, raw=raw, max_tokens=max_tokens, stop=list(stop), priority=priority,
-                   stream=stream, timeout_s=timeout_s, job_id=job_id or uuid.uuid4().hex, cache=cache,
-                   positions=None if positions is None else [int(p) for p in positions],
-                   positions_name=positions_name)
-    sub.template_args = template_args  # chat template keyword arguments (e.g. enable_thinking)
-    sub.temperature = None if temperature is None else float(temperature)
-    sub.top_p = None if top_p is None else float(top_p)
-    sub.top_k = None if top_k is None else operator.index(top_k)  # 2.5 is a TypeError, not 2
-    sub.seed = None if seed is None else operator.index(seed)
-    try:  # the worker's own rules, checked here too: a seed of 2**64 cannot even be encoded
-        P.check_sampling(sub.temperature, sub.top_p, sub.top_k, sub.seed)
-    except P.ProtocolError as e:
-        raise E.BadRequestError(e.code, e.message) from None
+    `stop` is one string or a sequence of them. Nothing is sent when a value is refused: a value
+    of the wrong type (bytes as a prompt, a bool or float where an int belongs) is a TypeError; a
+    value the worker would refuse (a negative token id, a job id outside [A-Za-z0-9_.-], text that
+    is not valid Unicode, sampling out of range) is the BadRequestError the worker would answer."""
+    sub = P.Submit(system=system, raw=raw, max_tokens=_int(max_tokens, "max_tokens"),
+                   stop=[stop] if isinstance(stop, str) else _seq(stop, "stop"), priority=_int(priority, "priority"),
+                   stream=stream, timeout_s=_opt_float(timeout_s, "timeout_s"), job_id=job_id or uuid.uuid4().hex,
+                   cache=cache, positions=None if positions is None else int_list(positions, "positions"),
+                   positions_name=positions_name, template_args=template_args,
+                   temperature=_opt_float(temperature, "temperature"), top_p=_opt_float(top_p, "top_p"),
+                   top_k=None if top_k is None else _int(top_k, "top_k"),
+                   seed=None if seed is None else _int(seed, "seed"))
     if isinstance(prompt, str):
         sub.text = prompt
-    elif isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) for t in prompt):
-        sub.token_ids = list(prompt)
-    elif isinstance(prompt, Sequence) and all(isinstance(m, dict) for m in prompt):
+    elif _is_seq(prompt) and prompt and all(isinstance(m, Mapping) for m in prompt):
         sub.messages = [dict(m) for m in prompt]
+    elif _is_seq(prompt) and prompt:
+        sub.token_ids = int_list(prompt, "prompt token ids")
+    elif _is_seq(prompt):
+        raise E.BadRequestError(P.BAD_REQUEST, "empty prompt")
     else:
-        raise TypeError("prompt must be text, a list of chat messages (dicts) or a list of token ids")
+        raise TypeError(f"prompt must be text (str), a list of chat messages (dicts) or a list of token ids "
+                        f"(ints), got {type(prompt).__name__}" + (": decode bytes to str first" if _is_bytes(prompt) else ""))
+    try:
+        P.check_types(sub)
+    except P.ProtocolError as e:
+        raise TypeError(e.message) from None
+    try:  # the worker's own rules, checked here too: a seed of 2**64 cannot even be encoded
+        P.check_submit(sub)
+        codec.check_encodable(sub)
+    except P.ProtocolError as e:
+        raise E.BadRequestError(e.code, e.message) from None
     return sub
+
+
+def _is_bytes(v: Any) -> bool:
+    return isinstance(v, (bytes, bytearray, memoryview))
+
+
+def _is_seq(v: Any) -> bool:
+    """A list-like of items; str and bytes-likes are sequences of characters/bytes, never of ids."""
+    return isinstance(v, Sequence) and not isinstance(v, str) and not _is_bytes(v)
+
+
+def _int(v: Any, name: str) -> int:
+    """An int (numpy ints too); bools and floats are refused rather than silently converted."""
+    if isinstance(v, bool) or not hasattr(type(v), "__index__"):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+    return operator.index(v)
+
+
+def _opt_float(v: Any, name: str) -> float | None:
+    """None, or a real number as float; bools and strings are refused."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(v).__name__} {v!r}")
+    return float(v)
+
+
+def _seq(v: Any, name: str) -> list:
+    if not _is_seq(v):
+        raise TypeError(f"{name} must be a list, got {type(v).__name__}")
+    return list(v)
+
+
+def int_list(v: Any, name: str) -> list[int]:
+    """A list of ints (token ids, positions) from any sequence of ints; bytes are refused, since
+    treating b"hi" as the ids [104, 105] is never what was meant."""
+    if _is_bytes(v):
+        raise TypeError(f"{name} must be a list of ints, got {type(v).__name__} (text is a str: decode bytes first)")
+    items = _seq(v, name)
+    try:
+        return [x if type(x) is int else _int(x, name) for x in items]
+    except TypeError:  # again, slowly, to name the item
+        for i, x in enumerate(items):
+            _int(x, f"{name}: item {i}")
+        raise
 
 
 def reply_error(e: P.ProtocolError, endpoint: str) -> E.DFlashError:
@@ -235,7 +291,7 @@ class DFlashClient:
     # ------------------------------------------------------------------ position lists
     def put_positions(self, name: str, positions: Sequence[int]) -> dict:
         """Store (or replace) a named sparse-prefill position list, shared by every app."""
-        return self._call(P.PutPositions(name=name, positions=[int(p) for p in positions])).data
+        return self._call(P.PutPositions(name=name, positions=int_list(positions, "positions"))).data
 
     def get_positions(self, name: str) -> list[int]:
         """The list stored under `name`; NotFoundError when there is none."""

@@ -9,10 +9,15 @@ class DFlashError(Exception):
     """Any failure answered by, or about, the daemon. `code` is the wire error code."""
 
     def __init__(self, code: str, message: str, job_id: str = ""):
-        super().__init__(f"[{code}] {message}")
+        super().__init__(f"[{code}] {message}{self._about(message, job_id)}")
         self.code = code
         self.message = message
         self.job_id = job_id
+
+    @staticmethod
+    def _about(message: str, job_id: str) -> str:
+        """What the text adds to the message: the job's id, unless the message names it."""
+        return f" (job {job_id})" if job_id and job_id not in message else ""
 
 
 class BusyError(DFlashError):
@@ -37,8 +42,13 @@ class WorkerUnavailableError(DFlashError):
 
 class WorkerGoneError(DFlashError):
     """The worker stopped answering while a job was in flight (heartbeats stopped). The job is
-    persisted: after the worker restarts it runs again, and `client.job(e.job_id).result()`
-    fetches its result."""
+    persisted: after the worker restarts it runs again once asked for, and
+    `client.job(e.job_id).result()` (in a shell: `dflash-client result ID`) fetches its result."""
+
+    @staticmethod
+    def _about(message: str, job_id: str) -> str:
+        """The job id and the command that fetches its re-run, for a shell user who saw this."""
+        return f"; job {job_id} is kept: `dflash-client result {job_id}` runs it again and prints it" if job_id else ""
 
 
 class ProtocolVersionError(BadRequestError):

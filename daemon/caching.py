@@ -99,4 +99,12 @@ def cache_stats(cfg: DaemonConfig, cache: PrefixCache | None, remote: dict | Non
                   evictions=remote.get("evictions", 0))
         out["position_lists"] = remote.get("position_lists", 0)
         out["l2_process"] = remote
+        out["notes"] = [recovery_note(n) for n in remote.get("recoveries", ())]
     return out
+
+
+def recovery_note(n: dict) -> str:
+    """One status line for a damaged L2 store the cache process moved aside and recreated."""
+    return (f"L2 {n.get('store')} store was damaged ({n.get('reason')}) at {n.get('at')}: recreated, "
+            f"{n.get('salvaged')} entries salvaged; the damaged copy is kept in {n.get('moved_to')} "
+            f"(delete it when done)")

@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from . import paths, supervisor
 from .config import DaemonConfig, load_config
 
 
@@ -50,19 +51,16 @@ def _client(cfg: DaemonConfig, timeout: float):
 
 
 def _supervisor_pid(cfg: DaemonConfig) -> int | None:
-    try:
-        pid = int((cfg.runtime_path() / "supervisor.pid").read_text())
-        os.kill(pid, 0)
-        return pid
-    except (OSError, ValueError):
-        return None
+    """The live supervisor's pid (files a dead one left are ignored: supervisor.live_pid)."""
+    return supervisor.live_pid(cfg.runtime_path())
 
 
-def _worker_restarts(cfg: DaemonConfig) -> int:
+def _worker_restarts(cfg: DaemonConfig, sup_pid: int) -> int:
+    """Worker restarts so far under the supervisor `sup_pid` (not under a dead predecessor)."""
+    state = supervisor.read_state(cfg.runtime_path())
     try:
-        state = json.loads((cfg.runtime_path() / "supervisor.json").read_text())
-        return int(state["children"]["worker"]["restarts"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return int(state["children"]["worker"]["restarts"]) if state.get("supervisor_pid") == sup_pid else 0
+    except (KeyError, TypeError, ValueError):
         return 0
 
 
@@ -92,14 +90,17 @@ def start(config_path, foreground, wait_s, **flags):
         raise click.ClickException("no model configured: pass --model, set DFLASH_MODEL or `model` in the config")
     if _supervisor_pid(cfg) or _stats(cfg, 0.5):
         raise click.ClickException(f"dflashd is already running at {cfg.resolved_endpoint()}")
+    orphans = supervisor.stop_orphans(cfg)  # they would hold the locks the new children need
+    if orphans:
+        click.echo("stopped what a dead supervisor left running: " + ", ".join(orphans), err=True)
+    paths.private_umask()  # the log file and dirs made here, and the supervisor it starts
     if foreground:
         from .supervisor import main as sup_main
 
         sys.exit(sup_main(["--config-json", cfg.to_json()]))
-    from . import paths
-
     log_dir = paths.private_dir(cfg.log_path())
     log = open(log_dir / "dflashd.log", "ab")
+    os.fchmod(log.fileno(), 0o600)  # one an older version made 0644
     proc = subprocess.Popen(
         [sys.executable, "-m", "dflash.daemon.supervisor", "--config-json", cfg.to_json()],
         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -108,7 +109,7 @@ def start(config_path, foreground, wait_s, **flags):
     while time.monotonic() < end:
         if proc.poll() is not None:
             raise click.ClickException(f"dflashd exited with {proc.returncode}; see {log_dir / 'dflashd.log'}")
-        crashes = _worker_restarts(cfg)
+        crashes = _worker_restarts(cfg, proc.pid)
         if crashes >= 2:
             raise click.ClickException(f"the worker keeps crashing ({crashes} restarts); see {log_dir / 'dflashd.log'}")
         st = _stats(cfg, 0.5)
@@ -116,6 +117,10 @@ def start(config_path, foreground, wait_s, **flags):
             if st["state"] == "failed":
                 raise click.ClickException(f"worker up but the model failed to load: {st['error']}")
             click.echo(f"dflashd started (supervisor {proc.pid}, worker {st['pid']}) at {cfg.resolved_endpoint()}; {st['accel']}")
+            from dflash.client.cli import store_notes
+
+            for note in store_notes(st):
+                click.echo("warning: " + note, err=True)
             return
     raise click.ClickException(f"dflashd did not become ready in {wait_s:g}s; see {log_dir / 'dflashd.log'}")
 
@@ -124,18 +129,20 @@ def start(config_path, foreground, wait_s, **flags):
 @_config_options
 @click.option("--timeout", default=30.0, show_default=True)
 def stop(config_path, timeout, **flags):
-    """Ask the worker to shut down (a running job is re-queued), then wait for the supervisor."""
+    """Ask the worker to shut down (a running job is re-queued), wait for the supervisor, then stop
+    whatever a supervisor that died (kill -9) left running."""
     cfg = _resolve(config_path, **flags)
     pid = _supervisor_pid(cfg)
     from dflash.client.errors import DFlashError
 
+    answered = True
     try:
         with _client(cfg, 2.0) as c:
             c.shutdown()
     except DFlashError:
-        if pid is None:
-            raise click.ClickException("dflashd is not running") from None
-        os.kill(pid, signal.SIGTERM)
+        answered = False
+        if pid is not None:
+            os.kill(pid, signal.SIGTERM)
     end = time.monotonic() + timeout
     while pid is not None and time.monotonic() < end:
         try:  # reap it when it is our own child (`dflash serve` started it), else it stays a zombie
@@ -151,6 +158,11 @@ def stop(config_path, timeout, **flags):
     else:
         if pid is not None:
             os.kill(pid, signal.SIGTERM)
+    orphans = supervisor.stop_orphans(cfg)
+    if orphans:
+        click.echo("stopped what a dead supervisor left running: " + ", ".join(orphans))
+    elif not answered and pid is None:
+        raise click.ClickException("dflashd is not running")
     click.echo("dflashd stopped")
 
 
@@ -169,13 +181,17 @@ def status(config_path, as_json, **flags):
         click.echo(f"dflashd: not running at {info['endpoint']}" + (f" (supervisor {sup} is up)" if sup else ""))
     else:
         click.echo(f"dflashd: {st['state']} at {info['endpoint']}")
-        click.echo(f"  supervisor pid {sup}, worker pid {st['pid']}, up {st['uptime_s']:.0f}s, restarts {st['restarts']}")
+        click.echo(f"  supervisor {f'pid {sup}' if sup else 'none'}, worker pid {st['pid']}, up {st['uptime_s']:.0f}s,"
+                   f" restarts {st['restarts']}")
+        from dflash.client.cli import cache_lines, store_notes
+
+        for note in store_notes(st):
+            click.echo("  " + note)
         click.echo(f"  accelerator: {st['accel']}")
-        click.echo(f"  queue: {st['queued']} waiting (max {st['max_queue']}), running {st['running']}")
+        click.echo(f"  queue: {st['queued']} waiting (max {st['max_queue']}), running {st['running']},"
+                   f" {st.get('held', 0)} held (streamed jobs whose client left: `dflash-client result ID` runs one)")
         click.echo(f"  jobs: {st['jobs_done']} done, {st['jobs_failed']} failed, {st['jobs_cancelled']} cancelled;"
                    f" {st['tokens_generated']} tokens; {st['bad_frames']} bad frames")
-        from dflash.client.cli import cache_lines
-
         for line in cache_lines(st.get("cache")):
             click.echo("  " + " ".join(line.split()))
     if st is None:

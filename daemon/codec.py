@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgpack
@@ -15,6 +16,20 @@ def encode(msg: Any) -> bytes:
     """One frame for a protocol struct (or an already-built map)."""
     m = msg if isinstance(msg, dict) else P.to_map(msg)
     return msgpack.packb(m, use_bin_type=True)
+
+
+def check_encodable(msg: Any) -> None:
+    """Raise ProtocolError(BAD_REQUEST, param=the field) for a field the wire cannot carry: a string
+    that is not valid Unicode (a lone surrogate, e.g. from surrogateescape'd bytes) or an integer
+    outside msgpack's 64 bits. Checked per field, so the message names the field."""
+    for f in dataclasses.fields(msg):
+        try:
+            msgpack.packb(getattr(msg, f.name), use_bin_type=True)
+        except UnicodeEncodeError as e:
+            raise P.ProtocolError(P.BAD_REQUEST, f"field {f.name!r} is not valid Unicode text: it holds the lone "
+                                  f"surrogate {e.object[e.start]!r} (undecodable bytes?)", param=f.name) from None
+        except (OverflowError, ValueError, TypeError) as e:
+            raise P.ProtocolError(P.BAD_REQUEST, f"field {f.name!r} cannot be sent: {e}", param=f.name) from None
 
 
 def decode_map(frame: bytes, max_bytes: int = DEFAULT_MAX_FRAME) -> Any:

@@ -13,6 +13,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import signal
 import time
 import uuid
@@ -28,6 +29,7 @@ from dflash.client.client import Result
 from dflash.daemon import protocol as P
 
 from . import openai_schema as S
+from . import paths
 from .config import DaemonConfig, is_loopback
 from .gateway_metrics import GatewayMetrics
 
@@ -45,9 +47,24 @@ _STATUS = {
 }
 
 
+# Endpoints and filesystem paths in the daemon's messages (its socket, the model's files): the
+# HTTP answer says "<endpoint>" / "<path>", the gateway's log keeps the full message.
+_ENDPOINT = re.compile(r"\b(?:ipc|tcp|inproc)://[^\s'\"()\[\],;]*[^\s'\"()\[\],;:.]")
+_PATH = re.compile(r"(?<![\w/.:<>-])~?(?:\.{1,2})?/[^\s'\"()\[\],;]*[^\s'\"()\[\],;:.]")
+
+
+def redact(message: str) -> str:
+    """A daemon message with its endpoints and filesystem paths replaced: they describe this
+    host, not the request, and an HTTP client (maybe remote) has no use for them."""
+    return _PATH.sub("<path>", _ENDPOINT.sub("<endpoint>", message))
+
+
 def api_error_from(e: E.DFlashError) -> S.ApiError:
     status, kind = _STATUS.get(e.code, (500, "server_error"))
-    return S.ApiError(status, e.message, kind, None, e.code)
+    message = redact(e.message)
+    if message != e.message:
+        log.warning("daemon error %s answered as HTTP %d: %s", e.code, status, e.message)
+    return S.ApiError(status, message, kind, None, e.code)
 
 
 def json_error(err: S.ApiError) -> web.Response:
@@ -81,6 +98,7 @@ class Gateway:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._list_models)
+        app.router.add_get("/v1/models/{model:.+}", self._get_model)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.on_cleanup.append(self._close)
@@ -121,7 +139,9 @@ class Gateway:
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if self.api_key and request.path != "/health":
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            # surrogatepass: a header with undecodable bytes is a wrong key, not a crash
+            given = token.strip().encode("utf-8", "surrogatepass")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given, self.api_key.encode("utf-8", "surrogatepass")):
                 raise S.ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                                  "invalid_request_error", None, "invalid_api_key")
         return await handler(request)
@@ -132,9 +152,13 @@ class Gateway:
             raise web.HTTPRequestEntityTooLarge(max_size=self.max_body_bytes, actual_size=request.content_length)
         raw = await request.read()
         try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
+            body = json.loads(raw)
+        except RecursionError:  # the parser recursed on deep nesting ([[[[...)
+            raise S.bad(f"the JSON body nests deeper than {S.MAX_DEPTH} levels", None, "invalid_json") from None
+        except ValueError as e:  # includes UnicodeDecodeError
             raise S.ApiError(400, f"could not parse the JSON body: {e}", code="invalid_json") from None
+        S.check_json(body)
+        return body
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "chat")
@@ -234,11 +258,23 @@ class Gateway:
         raise S.ApiError(404, f"The model '{name}' does not exist; this server serves {', '.join(ids)}",
                          "invalid_request_error", "model", "model_not_found")
 
+    def _model_object(self, row: dict) -> dict:
+        return {"id": self._model_id(row), "object": "model", "created": int(self.metrics.started), "owned_by": "dflash",
+                "dflash": {k: row.get(k) for k in ("loaded", "model", "draft", "block_size", "dtype")}}
+
     async def _list_models(self, _request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_object(r) for r in await self._model_rows()]})
+
+    async def _get_model(self, request: web.Request) -> web.Response:
+        """One model by id (the openai client's models.retrieve); 404 model_not_found otherwise."""
+        name = request.match_info["model"]
         rows = await self._model_rows()
-        data = [{"id": self._model_id(r), "object": "model", "created": int(self.metrics.started), "owned_by": "dflash",
-                 "dflash": {k: r.get(k) for k in ("loaded", "model", "draft", "block_size", "dtype")}} for r in rows]
-        return web.json_response({"object": "list", "data": data})
+        for row in rows:
+            if name == self._model_id(row):
+                return web.json_response(self._model_object(row))
+        raise S.ApiError(404, f"The model '{name}' does not exist; this server serves "
+                         f"{', '.join(self._model_id(r) for r in rows)}", "invalid_request_error", "model",
+                         "model_not_found")
 
     async def _daemon_stats(self) -> dict | None:
         try:
@@ -314,6 +350,8 @@ def serve_command(ctx, config_path, host, port, api_key, served_model_name, max_
                   sampling, default_temperature, default_top_p, default_top_k, attach, stop_daemon, wait_s, **flags):
     """OpenAI-compatible HTTP API over dflashd (starts the daemon, or attaches to a running one)."""
     from . import cli as dcli
+
+    paths.private_umask()  # a daemon it starts, and anything it writes, stays private
 
     if not is_loopback(host) and not api_key:
         raise click.ClickException(f"binding {host} (not loopback) needs --api-key (or DFLASH_API_KEY)")

@@ -36,8 +36,9 @@ _RESERVED_TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "add_generati
                            "return_dict", "return_tensors", "tools", "documents", "continue_final_message",
                            "padding", "truncation", "max_length", "return_assistant_tokens_mask",
                            "tokenizer_kwargs"}
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # fullmatch: "$" would let "name\n" through
 MAX_STOP = 16  # the daemon's own cap
+MAX_DEPTH = P.MAX_NESTING  # JSON nesting the daemon accepts in a field (the body's own level is one more)
 
 
 class ApiError(Exception):
@@ -110,6 +111,41 @@ def parse_completion(body: Any, default_max_tokens: int) -> GenRequest:
     if body.get("max_tokens") is None:
         req.max_tokens = default_max_tokens
     return req
+
+
+def check_json(body: Any) -> None:
+    """Refuse what JSON can spell but the daemon cannot take: strings that are not Unicode (a lone
+    surrogate escape such as "\\ud800" has no UTF-8 form) and nesting deeper than MAX_DEPTH.
+    Iterative, so no body can make it recurse."""
+    stack: list[tuple[Any, int, str]] = [(body, 0, "")]
+    while stack:
+        v, depth, path = stack.pop()
+        if isinstance(v, str):
+            _unicode(v, path)
+        elif isinstance(v, (dict, list)):
+            if depth > MAX_DEPTH:
+                raise bad(f"the JSON body nests deeper than {MAX_DEPTH} levels", None, "invalid_json")
+            for k, x in (v.items() if isinstance(v, dict) else enumerate(v)):
+                if isinstance(k, str):
+                    _unicode(k, path)
+                if isinstance(x, (str, dict, list)):
+                    stack.append((x, depth + 1, _child(path, k)))
+
+
+def _child(path: str, key: str | int) -> str:
+    """The param name of a nested field: messages[0].content."""
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+def _unicode(s: str, path: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        where = f"'{path}'" if path else "the body"
+        raise bad(f"{where} holds the lone surrogate {ascii(s[e.start])} (an unpaired \\uD800-\\uDFFF escape): "
+                  "strings must be valid Unicode", path or None, "invalid_json") from None
 
 
 def _check_fields(body: Any, known: set[str]) -> None:
@@ -259,7 +295,7 @@ def _template_args(v: Any) -> dict | None:
     if not isinstance(v, dict):
         raise bad("'chat_template_kwargs' must be an object", "chat_template_kwargs", "invalid_type")
     for k in v:
-        if not _IDENT.match(k) or k in _RESERVED_TEMPLATE_ARGS:
+        if not _IDENT.fullmatch(k) or k in _RESERVED_TEMPLATE_ARGS:
             raise bad(f"chat_template_kwargs: {k!r} cannot be set", "chat_template_kwargs")
     return dict(v) or None
 

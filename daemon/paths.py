@@ -2,6 +2,9 @@
 
 Other users must not reach the worker's socket, so the runtime dir is created 0700, checked to
 be ours, and its mode repaired if someone loosened it. ipc:// socket files are chmod 0600 too.
+The supervisor, the worker, the gateway and `dflashd start` call `private_umask` first (the cache
+process sets the same umask in cache/l2.py), so whatever they create (job stores, results, logs,
+pid and lock files) is 0600 in 0700 directories whatever the user's umask.
 """
 
 from __future__ import annotations
@@ -29,10 +32,21 @@ def default_config_file() -> Path:
     return Path(base) / "dflash" / "config.toml"
 
 
+def private_umask() -> None:
+    """From now on this process creates files 0600 and directories 0700: they hold users' prompts."""
+    os.umask(0o077)
+
+
 def private_dir(path: str | Path) -> Path:
-    """Create (or check) a directory only this user can enter; refuse one owned by someone else."""
+    """Create (or check) a directory only this user can enter; refuse one owned by someone else.
+    Missing parents are created 0700 too (mkdir's parents=True would give them the umask's mode)."""
     p = Path(path)
-    p.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for d in [*reversed(p.parents), p]:
+        if not d.exists():
+            try:
+                d.mkdir(mode=0o700)
+            except FileExistsError:  # made meanwhile by another process
+                pass
     st = p.lstat()
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise PermissionError(f"{p} is not a plain directory")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -50,6 +51,9 @@ CACHE_POLICIES = ("use", "bypass", "refresh")
 
 
 SEED_MAX = (1 << 64) - 1  # seeds are unsigned 64-bit (MLX's PRNG key)
+# Always used with fullmatch: with match and "$", "id\n" would pass ("$" matches before a final newline).
+JOB_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+MAX_NESTING = 32  # lists/maps inside a request field: deeper is refused before it reaches a job
 
 
 class ProtocolError(Exception):
@@ -93,6 +97,36 @@ def sampling_problem(temperature: Any = None, top_p: Any = None, top_k: Any = No
     if seed is not None and not (integer(seed) and 0 <= seed <= SEED_MAX):
         return "seed", f"seed must be an integer in 0..2^64-1, got {seed!r}"
     return None
+
+
+def check_job_id(job_id: Any) -> None:
+    """Raise ProtocolError(BAD_REQUEST) unless job_id is 1-64 characters of [A-Za-z0-9_.-]."""
+    if not (isinstance(job_id, str) and JOB_ID.fullmatch(job_id)):
+        raise ProtocolError(BAD_REQUEST, f"job_id must be 1-64 characters of A-Z a-z 0-9 _ . -, got {job_id!r}",
+                            param="job_id")
+
+
+def check_submit(sub: "Submit") -> None:
+    """The rules of a submit that need no worker settings (job id, token ids >= 0, sampling), so a
+    client can refuse a bad value before sending it; raises ProtocolError like the worker would."""
+    if sub.job_id:
+        check_job_id(sub.job_id)
+    if sub.token_ids is not None:
+        neg = next((t for t in sub.token_ids if t < 0), None)
+        if neg is not None:
+            raise ProtocolError(BAD_REQUEST, f"token ids must be >= 0, got {neg}", param="token_ids")
+    check_sampling(sub.temperature, sub.top_p, sub.top_k, sub.seed)
+
+
+def check_types(msg: Any) -> None:
+    """Raise ProtocolError(BAD_REQUEST, param=the field) for a field whose value does not fit its
+    annotation, by the same rule the worker applies to a decoded request."""
+    hints = typing.get_type_hints(type(msg))
+    for f in dataclasses.fields(msg):
+        if not _matches(getattr(msg, f.name), hints[f.name]):
+            raise ProtocolError(BAD_REQUEST, f"field {f.name!r} of {type(msg).__name__} has the wrong type "
+                                f"({type(getattr(msg, f.name)).__name__}; expected {_type_name(hints[f.name])})",
+                                param=f.name)
 
 
 def check_sampling(temperature: Any = None, top_p: Any = None, top_k: Any = None, seed: Any = None) -> None:
@@ -317,7 +351,10 @@ def parse_request(m: Any) -> Request:
     cls = REQUESTS.get(op) if isinstance(op, str) else None
     if cls is None:
         raise ProtocolError(UNKNOWN_OP, f"unknown op {op!r}; known: {', '.join(REQUESTS)}")
-    return _build(cls, m, ("v", "op"))
+    req = _build(cls, m, ("v", "op"))
+    if isinstance(req, (Cancel, JobStatus)) or (isinstance(req, Submit) and req.job_id):
+        check_job_id(req.job_id)  # a malformed id is a bad request, never a lookup that finds nothing
+    return req
 
 
 def parse_reply(m: Any) -> Reply:
@@ -353,6 +390,9 @@ def _build(cls: type, m: dict, envelope: tuple[str, ...], strict: bool = True) -
         if name in m:
             if not _matches(m[name], hints[name]):
                 raise ProtocolError(BAD_REQUEST, f"field {name!r} of {cls.__name__} has the wrong type")
+            if strict and _may_nest(hints[name]) and _too_deep(m[name]):
+                raise ProtocolError(BAD_REQUEST, f"field {name!r} of {cls.__name__} is nested deeper than "
+                                    f"{MAX_NESTING} levels")
             kwargs[name] = m[name]
     return cls(**kwargs)
 
@@ -376,5 +416,37 @@ def _matches(value: Any, tp: Any) -> bool:
         return isinstance(value, dict)
     if origin is list:
         (item,) = typing.get_args(tp)
+        if item is int and isinstance(value, list):  # fast path for token ids (bool's type is not int)
+            return all(type(v) is int for v in value)
         return isinstance(value, list) and all(_matches(v, item) for v in value)
     return False
+
+
+def _too_deep(value: Any, limit: int = MAX_NESTING) -> bool:
+    """Whether lists/maps nest deeper than `limit` (iterative: a deep value must not recurse here)."""
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth >= limit:
+                return True
+            items = v.values() if isinstance(v, dict) else v
+            stack.extend((x, depth + 1) for x in items if isinstance(x, (dict, list)))
+    return False
+
+
+def _may_nest(tp: Any) -> bool:
+    """Whether a field's annotation admits free-form maps, whose depth _matches does not bound."""
+    return tp is dict or typing.get_origin(tp) is dict or any(_may_nest(a) for a in typing.get_args(tp))
+
+
+def _type_name(tp: Any) -> str:
+    """A field annotation in words, for error messages ('int or None', 'list of int')."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "dict"
+    return "None" if tp is type(None) else getattr(tp, "__name__", str(tp))

@@ -25,10 +25,11 @@ class Job:
     stream: bool = True
     attempts: int = 0
     deadline_s: float = 600.0
-    state: str = "queued"  # queued | running | done | error | cancelled
+    state: str = "queued"  # queued | running | done | error | cancelled | held (not queued: store.hold)
     cancel: threading.Event = field(default_factory=threading.Event)
     cancel_reason: str = ""
     started_at: float = 0.0
+    held_at: float = 0.0  # wall time it was first held (persisted), 0 when not held
 
     def key(self) -> tuple[int, int]:
         return (-self.priority, self.seq)

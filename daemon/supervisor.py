@@ -7,11 +7,18 @@ requested shutdown) or a child reports a configuration error (2, 3: restarting w
 cache process that cannot start leaves the worker serving with L1 only).
 SIGTERM/SIGINT only set a flag; the loop forwards SIGTERM to the children and waits for them.
 `dflashd start` runs this detached; `dflashd start --foreground` (launchd/systemd) attached.
+
+Children run under a lifeline (`python -m dflash.daemon.lifeline MODULE ARGS`, lifeline.py): they
+stop when the supervisor dies, even by kill -9.
+The supervisor holds `supervisor.lock` in the runtime dir for its whole life, so its state files
+(`supervisor.pid`, `supervisor.json`) count only while that lock is held: files left by a dead
+supervisor are stale, whatever process now has its pid (`live_pid`, `stop_orphans`).
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import logging
 import os
@@ -21,13 +28,15 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from . import paths
+from . import lifeline, paths
 from .config import DaemonConfig
 
 log = logging.getLogger("dflash.supervisor")
-FATAL_CODES = (2, 3)  # bad config, another worker running
+FATAL_CODES = (2, 3)  # bad config, another worker (or supervisor) running
 STABLE_S = 60.0
+LOCK, PID_FILE, STATE_FILE = "supervisor.lock", "supervisor.pid", "supervisor.json"
 
 
 @dataclass
@@ -43,22 +52,31 @@ class Child:
     last_rc: int | None = None
     extra_env: dict = field(default_factory=dict)
     args: list[str] = field(default_factory=list)
+    lock: Path | None = None  # the file the child holds locked while it runs
+
+
+def _children(cfg: DaemonConfig) -> list[Child]:
+    children = [Child("worker", "dflash.daemon.worker", args=["--config-json", cfg.to_json()],
+                      lock=cfg.runtime_path() / "worker.lock")]
+    if cfg.cache:  # started alongside; the worker serves L1-only whenever it is down
+        children.append(Child("cache", "dflash.cache.l2", args=cfg.cache_args(), extra_env={"DFLASH_CACHE_LOG": "INFO"},
+                              lock=cfg.cache_path() / "l2.lock"))
+    return children
 
 
 class Supervisor:
     def __init__(self, cfg: DaemonConfig):
         self.cfg = cfg
         self.stop = threading.Event()
-        self.children = [Child("worker", "dflash.daemon.worker", args=["--config-json", cfg.to_json()])]
-        if cfg.cache:  # started alongside; the worker serves L1-only whenever it is down
-            self.children.append(Child("cache", "dflash.cache.l2", args=cfg.cache_args(),
-                                       extra_env={"DFLASH_CACHE_LOG": "INFO"}))
+        self.children = _children(cfg)
         self.run_dir = paths.private_dir(cfg.runtime_path())
+        self._lifeline = -1  # read end of the pipe each child gets as stdin (lifeline.py)
 
     def _spawn(self, child: Child) -> None:
-        env = dict(os.environ, DFLASH_WORKER_RESTARTS=str(child.restarts), **child.extra_env)
-        cmd = [sys.executable, "-m", child.module, *child.args]
-        child.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+        env = dict(os.environ, DFLASH_WORKER_RESTARTS=str(child.restarts), **child.extra_env,
+                   **{lifeline.ENV: str(os.getpid())})
+        cmd = [sys.executable, "-m", "dflash.daemon.lifeline", child.module, *child.args]
+        child.proc = subprocess.Popen(cmd, env=env, stdin=self._lifeline)
         child.started_at = time.monotonic()
         log.info("started %s pid %d (restart %d)", child.name, child.proc.pid, child.restarts)
         self._write_state()
@@ -71,9 +89,9 @@ class Supervisor:
                 for c in self.children
             },
         }
-        tmp = self.run_dir / "supervisor.json.tmp"
+        tmp = self.run_dir / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state))
-        os.replace(tmp, self.run_dir / "supervisor.json")
+        os.replace(tmp, self.run_dir / STATE_FILE)
 
     def _reap(self, child: Child) -> None:
         rc = child.proc.poll() if child.proc else None
@@ -95,7 +113,14 @@ class Supervisor:
         self._write_state()
 
     def run(self) -> int:
-        (self.run_dir / "supervisor.pid").write_text(str(os.getpid()))
+        lock = _take_lock(self.run_dir / LOCK)
+        if lock is None:
+            log.error("another supervisor holds %s", self.run_dir / LOCK)
+            return 3
+        (self.run_dir / PID_FILE).write_text(str(os.getpid()))
+        self._write_state()  # replaces any state a dead supervisor left
+        # Only this process holds the write end (not inherited): its death closes the pipe.
+        self._lifeline, keep = os.pipe()
         try:
             while not self.stop.is_set():
                 for child in self.children:
@@ -105,8 +130,11 @@ class Supervisor:
                 self.stop.wait(0.1)
         finally:
             self._stop_children()
-            for name in ("supervisor.pid", "supervisor.json"):
+            for name in (PID_FILE, STATE_FILE):
                 (self.run_dir / name).unlink(missing_ok=True)
+            os.close(keep)
+            os.close(self._lifeline)
+            lock.close()
         worker = self.children[0]
         return worker.last_rc if worker.last_rc in FATAL_CODES else 0
 
@@ -125,10 +153,104 @@ class Supervisor:
             c.last_rc = c.proc.returncode
 
 
+def _take_lock(path: Path, wait_s: float = 2.0):
+    """The open, exclusively locked file, or None when another process holds it (waits a little:
+    a `dflashd status` may be probing it at this very moment)."""
+    f = open(path, "w")
+    end = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return f
+        except OSError:
+            if time.monotonic() >= end:
+                f.close()
+                return None
+            time.sleep(0.05)
+
+
+def lock_held(path: Path) -> bool:
+    """Whether some process holds `path` locked (the lock dies with its holder, unlike pid files)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # also drops the probe's own lock
+
+
+def live_pid(run_dir: Path) -> int | None:
+    """The running supervisor's pid; None when none runs (its pid file, if any, is stale)."""
+    if not lock_held(run_dir / LOCK):
+        return None
+    try:
+        return int((run_dir / PID_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_state(run_dir: Path) -> dict:
+    """supervisor.json as written (by a live or a dead supervisor; compare supervisor_pid)."""
+    try:
+        state = json.loads((run_dir / STATE_FILE).read_text())
+        return state if isinstance(state, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def stop_orphans(cfg: DaemonConfig, grace_s: float = 20.0) -> list[str]:
+    """When no supervisor runs: stop the children a dead one left running (listed in its stale
+    state, still holding their locks, still running our module), remove its stale files, and
+    say what was stopped. A child without a lifeline (an older version's) is what this finds."""
+    run_dir = cfg.runtime_path()
+    if live_pid(run_dir) is not None:
+        return []
+    pids = {name: c.get("pid") for name, c in read_state(run_dir).get("children", {}).items() if isinstance(c, dict)}
+    found = [(c, pids[c.name]) for c in _children(cfg) if isinstance(pids.get(c.name), int) and c.lock is not None
+             and lock_held(c.lock) and c.module in _command_line(pids[c.name])]
+    for _, pid in found:
+        _signal(pid, signal.SIGTERM)
+    end = time.monotonic() + grace_s
+    while any(lock_held(c.lock) for c, _ in found) and time.monotonic() < end:
+        time.sleep(0.1)
+    for c, pid in found:
+        if lock_held(c.lock):
+            _signal(pid, signal.SIGKILL)
+    for name in (PID_FILE, STATE_FILE):
+        (run_dir / name).unlink(missing_ok=True)
+    return [f"{c.name} pid {pid}" for c, pid in found]
+
+
+def _command_line(pid: int) -> str:
+    """The command line of a process ("" when it is gone), to check a pid is still ours."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        pass
+    try:  # macOS: no /proc
+        out = subprocess.run(["ps", "-o", "command=", "-p", str(pid)], capture_output=True, text=True, timeout=5)
+        return out.stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dflash.daemon.supervisor")
     ap.add_argument("--config-json", required=True)
     args = ap.parse_args(argv)
+    paths.private_umask()  # its files, and (inherited) its children's
     logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor[%(process)d] %(levelname)s %(message)s")
     sup = Supervisor(DaemonConfig.from_json(args.config_json))
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

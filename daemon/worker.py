@@ -6,6 +6,12 @@ forwards the compute thread's events to the connection that waits on each job, a
 heartbeats. Replies go out with ROUTER_MANDATORY, so a send to a connection that went away
 fails at once: the job it was streaming to is cancelled.
 
+After a restart, unfinished detached jobs are queued again at once. A streamed job's client has
+already seen `worker_gone` (or `shutting_down`) by then and may well have gone for good, so its
+job is held instead: re-queued only when someone asks for it (a re-sent submit, a status poll,
+as `client.job(id).result()` and `dflash-client result ID` do), dropped unasked after
+`result_retention_s`. Jobs no one wants thus never block the queue.
+
 Run as `python -m dflash.daemon.worker --config-json JSON` (the supervisor does this) or
 `--config FILE` (launchd). Exit codes: 0 shutdown requested, 2 bad configuration, 3 another
 worker holds the lock; anything else is a crash and the supervisor restarts it.
@@ -17,7 +23,6 @@ import argparse
 import fcntl
 import logging
 import os
-import re
 import secrets
 import signal
 import sys
@@ -34,7 +39,7 @@ from dflash.cache.positions import PositionStore, Unavailable
 
 from dflash.engine import accel
 
-from . import caching, codec, paths
+from . import caching, codec, lifeline, paths
 from . import protocol as P
 from .compute import Compute
 from .config import DaemonConfig, load_config
@@ -42,7 +47,6 @@ from .queue import Job, JobQueue
 from .store import JobStore
 
 log = logging.getLogger("dflash.worker")
-_JOB_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _WAKE = "inproc://dflash-compute-events"
 
 
@@ -51,10 +55,12 @@ class Worker:
         self.cfg = cfg
         self.endpoint = cfg.resolved_endpoint()
         self.jobs = JobQueue(cfg.max_queue)
-        self.store = JobStore(paths.private_dir(cfg.state_path()) / "jobs", cfg.result_retention_s)
+        jobs_dir = paths.private_dir(paths.private_dir(cfg.state_path()) / "jobs")  # an older version's: 0755
+        self.store = JobStore(jobs_dir, cfg.result_retention_s)
         self.ctx = zmq.Context()
         self.compute = Compute(cfg, self.jobs, self.store, self._wake)
         self.watchers: dict[str, tuple[bytes, int]] = {}  # job id -> (connection, submit rid)
+        self.held: dict[str, Job] = {}  # recovered streamed jobs that wait to be asked for
         self.stop = threading.Event()
         self.started = time.time()
         self.counters = {"frames": 0, "bad_frames": 0, "dropped_replies": 0, "clients_gone": 0, "recovered": 0, "failed_on_recovery": 0}
@@ -157,11 +163,27 @@ class Worker:
     def _recover(self) -> None:
         jobs, failed = self.store.recover(self.cfg.max_attempts)
         for job in jobs:
-            self.jobs.push(job, force=True)
+            if job.stream:  # its client heard the worker go: run it only if someone asks again
+                self.store.hold(job)
+                if self.store.has_job(job.job_id):  # else its hold ran out across restarts
+                    self.held[job.job_id] = job
+            else:
+                self.jobs.push(job, force=True)
         self.counters["recovered"] = len(jobs)
         self.counters["failed_on_recovery"] = len(failed)
         if jobs or failed:
-            log.info("recovered %d unfinished job(s); failed %d that crashed too often", len(jobs), len(failed))
+            log.info("recovered %d unfinished job(s) (%d streamed ones held until asked for); failed %d that "
+                     "crashed too often", len(jobs), len(self.held), len(failed))
+
+    def _claim(self, job_id: str) -> None:
+        """Someone asked for a held job: queue it (unless its hold ran out meanwhile)."""
+        job = self.held.pop(job_id, None)
+        if job is None or not self.store.has_job(job_id):
+            return
+        job.state, job.held_at = "queued", 0.0
+        self.store.save(job)  # no expiry any more
+        self.jobs.push(job, force=True)
+        log.info("job %s asked for again: queued", job_id)
 
     def _forward_events(self, router: zmq.Socket) -> None:
         while True:
@@ -182,6 +204,9 @@ class Worker:
         for job_id, (ident, rid) in list(self.watchers.items()):
             if not self._send(router, ident, P.Heartbeat(rid=rid)):
                 self._client_gone(job_id)
+        cutoff = time.time() - self.cfg.result_retention_s
+        for job_id in [j for j, job in self.held.items() if job.held_at < cutoff]:
+            del self.held[job_id]  # nobody asked; its record has expired in the store too
 
     def _client_gone(self, job_id: str) -> None:
         self.watchers.pop(job_id, None)
@@ -236,7 +261,8 @@ class Worker:
         if isinstance(req, P.Stats):
             return P.Info(data=self.stats())
         if isinstance(req, P.Jobs):
-            return P.Info(data={"jobs": [_job_row(j, self.jobs) for j in self.jobs.snapshot()]})
+            rows = [_job_row(j, self.jobs) for j in [*self.jobs.snapshot(), *self.held.values()]]
+            return P.Info(data={"jobs": rows})
         if isinstance(req, P.Models):
             return P.Info(data={"models": [self.compute.models()]})
         if isinstance(req, P.Shutdown):
@@ -251,6 +277,7 @@ class Worker:
             raise P.ProtocolError(P.NOT_READY, f"model failed to load: {self.compute.load_error}")
         job_id = req.job_id or uuid.uuid4().hex
         if self.store.known(job_id):  # a retried submit: answer for the job we already have
+            self._claim(job_id)
             if self.jobs.get(job_id) is not None and req.stream:
                 self.watchers[job_id] = (ident, req.rid)
             elif req.stream and (res := self.store.result(job_id)) is not None:
@@ -316,9 +343,7 @@ class Worker:
             raise bad("priority must be in -1000..1000")
         if req.timeout_s is not None and not req.timeout_s > 0:
             raise bad("timeout_s must be > 0")
-        if req.job_id and not _JOB_ID.match(req.job_id):
-            raise bad("job_id must be 1-64 characters of A-Z a-z 0-9 _ . -")
-        P.check_sampling(req.temperature, req.top_p, req.top_k, req.seed)
+        P.check_submit(req)  # job id, token ids >= 0, sampling: the rules the clients check too
         self._validate_sparse(req)
 
     def _validate_sparse(self, req: P.Submit) -> None:
@@ -367,6 +392,9 @@ class Worker:
             raise P.ProtocolError(P.CACHE_UNAVAILABLE, f"{e}; position lists need it (it restarts by itself)") from None
 
     def _cancel(self, job_id: str) -> Any:
+        if (held := self.held.pop(job_id, None)) is not None and self.store.has_job(job_id):
+            self._finish_unstarted(held)
+            return P.Info(data={"job_id": job_id, "cancelled": True, "state": "cancelled"})
         job = self.jobs.cancel(job_id, "cancelled")
         if job is None:
             res = self.store.result(job_id)
@@ -380,6 +408,7 @@ class Worker:
         return P.Info(data={"job_id": job_id, "cancelled": True, "state": job.state})
 
     def _status(self, job_id: str) -> Any:
+        self._claim(job_id)  # a client polls for it: it is wanted after all
         job = self.jobs.get(job_id)
         if job is not None:
             return P.Status(job_id=job_id, state=job.state, position=self.jobs.position(job_id), attempts=job.attempts)
@@ -405,6 +434,8 @@ class Worker:
             "queued": self.jobs.queued_count(),
             "running": running.job_id if running else None,
             "max_queue": self.cfg.max_queue,
+            "held": len(self.held),
+            "job_store": self.store.notes(),  # damaged job stores moved aside and still kept
             "l2_cache": "up" if cache["l2_up"] else "down" if self.cfg.cache else "off",
             "generation": {"temperature": self.cfg.temperature, "top_p": self.cfg.top_p, "top_k": self.cfg.top_k,
                            "seed": self.cfg.seed, "verify_window": self.cfg.verify_window},
@@ -460,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default=None, help="TOML file (then env vars apply)")
     ap.add_argument("--config-json", default=None, help="a fully resolved config (from the supervisor)")
     args = ap.parse_args(argv)
+    paths.private_umask()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker[%(process)d] %(levelname)s %(message)s")
     try:
         cfg = DaemonConfig.from_json(args.config_json) if args.config_json else load_config(args.config)
@@ -470,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("bad configuration: %s", e)
         return 2
     accel.maybe_reexec(cfg.blas, module="dflash.daemon.worker")  # before anything imports MLX
+    lifeline.hold()  # again after a re-exec (a no-op otherwise): end with the supervisor
     run_dir = paths.private_dir(cfg.runtime_path())
     lock = open(run_dir / "worker.lock", "w")
     try:

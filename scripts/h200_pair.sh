@@ -15,6 +15,10 @@
 #   pack                - the checkpoint parts (bf16, <= 15 MB each) + config/trainer/index + a
 #                         reports tar + the derived prompts (gzip) into $OUT (8 files, ~50 MB:
 #                         within the tool's 8 x 16 MiB, 64 MiB in all)
+#   packdata            - the data cache (prompts + responses, JSONL) as xz parts of <= 15 MB into $OUT:
+#                         keep them here in .campaign-data/ (ignored) and stage them next session
+#                         (mlx-cuda-prepare.sh .campaign-data/*): `data`/`start` unpack them first,
+#                         so the responses are not generated again (~8 min of two GPUs)
 #   bench [FLAGS]       - dflash benchmark of target + draft into $OUT (FLAGS added, e.g. --chat)
 #   ttft                - prefix-cache TTFT (cold / L1 / L2) on a 4K-token prompt into $OUT
 #                         (needs EXTRA="pyzmq==27.3.0 diskcache==5.6.3" when staging)
@@ -37,18 +41,24 @@ bg() {  # run the training script in its own session, detached from this call
     > "$LOG" 2>&1 < /dev/null &
   sleep 5; tail -3 "$LOG"
 }
+unpack_data() {  # staged data parts (see packdata) -> $TRAIN/data, once
+  local parts=(/tmp/stage/files/campaign-data.tar.xz.*)
+  [ -e "${parts[0]}" ] && [ ! -f "$TRAIN/data/.unpacked" ] || return 0
+  mkdir -p "$TRAIN" && cat "${parts[@]}" | xz -d -T0 | tar x -C "$TRAIN" && touch "$TRAIN/data/.unpacked"
+  ls "$TRAIN/data"
+}
 case "$1" in
   data)
-    model; ns
+    model; ns; unpack_data
     if [ -n "${2:-}" ] && [ ! -f "$TRAIN/data/derived_prompts.jsonl" ]; then
       mkdir -p "$TRAIN/data" && gunzip -c "$2" > "$TRAIN/data/derived_prompts.jsonl"
     fi
     bg --data-only ;;
-  start)
-    model; ns
+  start)  # start BUDGET_S [CK [FLAGS]]: FLAGS go to train-draft (e.g. --gen-batch-size 2048)
+    model; ns; unpack_data
     RESUME=""
-    [ -n "${3:-}" ] && RESUME="--resume $PWD/$3"
-    bg --time-budget-s "$2" $RESUME ;;
+    if [ -n "${3:-}" ]; then ck=$3; [ "${ck#/}" = "$ck" ] && ck=$PWD/$ck; RESUME="--resume $ck"; fi
+    bg --time-budget-s "$2" $RESUME "${@:4}" ;;
   ab)  # ab BUDGET_S CK KL_A KL_B [FLAGS]: two single-GPU arms at once (GPU 0: --kl-weight KL_A,
        # GPU 1: KL_B), same data cache, same start and schedule; each evaluates on the held-out set.
        # CK: a checkpoint (has trainer.json: --resume, the campaign goes on) or a draft (--init-draft).
@@ -77,6 +87,9 @@ case "$1" in
        "$TRAIN"/checkpoint/config.json "$TRAIN"/checkpoint/trainer.json "$OUT"/
     (cd "$TRAIN" && tar cf "$OUT/reports.tar" --exclude=data --exclude=checkpoint --exclude='*.safetensors' .)
     cat "$TRAIN"/data/derived_prompts*.jsonl | gzip -9 > "$OUT/derived_prompts.jsonl.gz"
+    ls -la "$OUT" ;;
+  packdata)
+    (cd "$TRAIN" && tar cf - --exclude=.unpacked data) | xz -T0 -6 | split -d -a 2 -b 15000000 - "$OUT/campaign-data.tar.xz."
     ls -la "$OUT" ;;
   bench)
     ns; model

@@ -48,8 +48,16 @@ if [ "$NGPU" -gt 1 ]; then
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   NCCL_LIB=$(python3 -c "import nvidia.nccl,os;print(os.path.join(list(nvidia.nccl.__path__)[0],'lib'))")
   export LD_LIBRARY_PATH="$NCCL_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  # The held-out evaluation runs afterwards in its own one-GPU process: evaluated inside the
+  # NCCL run (session 4, MLX 0.32.4) rank 0 died with "cudaMemcpy ... illegal memory access"
+  # in its first decode once rank 1 had returned; the checkpoint was already written.
   python3 "${MLX_LAUNCH:-/tmp/mlxsite/bin/mlx.launch}" --backend nccl -n "$NGPU" \
-    "$REPO/scripts/train_dist.py" "${ARGS[@]}" "$@" 2>&1 | tee -a "$OUT/train_stdout.log"
+    "$REPO/scripts/train_dist.py" "${ARGS[@]}" "$@" --eval-prompts 0 2>&1 | tee -a "$OUT/train_stdout.log"
+  if [ -f "$OUT/train_summary.json" ]; then
+    CUDA_VISIBLE_DEVICES=0 python3 -c "from dflash.engine.training.report import eval_draft_command as c; c()" \
+      --target "$MODEL" --draft "$OUT" --max-tokens 256 --out "$OUT/heldout_only.json" 2>&1 \
+      | tee -a "$OUT/train_stdout.log"
+  fi
 else
   python3 "$REPO/scripts/train_dist.py" "${ARGS[@]}" "$@" 2>&1 | tee -a "$OUT/train_stdout.log"
 fi
@@ -60,6 +68,8 @@ import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 s = json.loads((out / "train_summary.json").read_text())
+if (out / "heldout_only.json").is_file():  # evaluated in its own process (NGPU > 1)
+    s["heldout"] = json.loads((out / "heldout_only.json").read_text())["heldout"]
 keep = {k: s.get(k) for k in ("steps", "session_steps", "stop_reason", "schedule", "train_time_s",
                               "compile_time_s", "generation_time_s", "eval_time_s", "total_time_s",
                               "train_sequences", "train_tokens", "derived_prompts", "heldout_prompts",

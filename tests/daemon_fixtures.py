@@ -25,6 +25,16 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [f"Question {i}: what is {i} plus {i * 3}? Tell me about the sea." for i in range(10)]
 
 
+def wait_until(pred, timeout: float = 30.0, what: str = "condition", poll_s: float = 0.05) -> None:
+    """Poll `pred` until it is true; fail the test naming `what` after `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory) -> tuple[str, str]:
     from dflash.engine.tiny import build_draft, build_target

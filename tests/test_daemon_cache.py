@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from daemon_fixtures import PROMPTS, running, reference, tiny_pair  # noqa: F401
+from daemon_fixtures import PROMPTS, running, reference, tiny_pair, wait_until  # noqa: F401
 
 from dflash.client import BadRequestError, CacheUnavailableError, NotFoundError
 
@@ -28,14 +28,6 @@ def client(daemon):
     with daemon.client(timeout=30) as c:
         yield c
 
-
-def _wait(pred, timeout=20.0, what="condition"):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _sparse_reference(tiny_pair, ids, positions, max_tokens):  # noqa: F811
@@ -67,11 +59,11 @@ def test_repeat_hits_l1_then_l2_after_worker_kill9(daemon, client, tiny_pair):  
     assert warm.stats["cached_prompt_tokens"] == warm.stats["prompt_tokens"]  # whole-prompt L1 hit
     st = client.stats()["cache"]
     assert st["l2_up"] and st["l1"]["hits"] >= 1 and st["hit_tokens"] >= warm.stats["prompt_tokens"]
-    _wait(lambda: client.stats()["cache"]["l2"]["entries"] >= 2, what="write-through to L2")
+    wait_until(lambda: client.stats()["cache"]["l2"]["entries"] >= 2, what="write-through to L2")
 
     pid = daemon.worker_pid()
     os.kill(pid, signal.SIGKILL)
-    _wait(lambda: daemon.wait_ready()["pid"] != pid, timeout=60, what="worker restart")
+    wait_until(lambda: daemon.wait_ready()["pid"] != pid, timeout=60, what="worker restart")
     again = client.generate(LONG, max_tokens=16)  # fresh worker: empty L1, the hit comes from L2
     assert again.token_ids == ref and again.stats["cached_prompt_tokens"] > 0
     st = client.stats()["cache"]
@@ -167,7 +159,7 @@ def test_cache_process_down_then_back(daemon, client, tiny_pair):  # noqa: F811
         client.list_positions()
     assert client.stats()["l2_cache"] == "down"
     os.kill(pid, signal.SIGKILL)  # now dead: the supervisor restarts it
-    _wait(lambda: client.stats()["cache"]["l2_up"], timeout=20, what="cache process restart")
+    wait_until(lambda: client.stats()["cache"]["l2_up"], timeout=20, what="cache process restart")
     client.put_positions("back", [0, 1, 2])
     assert client.get_positions("back") == [0, 1, 2]
     st = json.loads((daemon.dir / "run" / "supervisor.json").read_text())

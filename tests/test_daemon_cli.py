@@ -66,6 +66,7 @@ def test_install_renders_valid_plists_that_start_a_worker(tiny_pair, dirs, tmp_p
     plist = plistlib.loads((tmp_path / "com.dflash.worker.plist").read_bytes())
     assert plist["Label"] == "com.dflash.worker"
     assert plist["KeepAlive"] == {"SuccessfulExit": False} and plist["ThrottleInterval"] > 0
+    assert plist["Umask"] == 0o077  # launchd's own log files are private too
     assert plist["StandardOutPath"] == str(d / "state" / "logs" / "worker.log")
     assert plist["EnvironmentVariables"]["DFLASH_STATE_DIR"] == str(d / "state")
     args = plist["ProgramArguments"]
@@ -73,7 +74,7 @@ def test_install_renders_valid_plists_that_start_a_worker(tiny_pair, dirs, tmp_p
     cfg = json.loads(Path(args[4][1:]).read_text())
     assert cfg["model"] == model and cfg["endpoint"].startswith("ipc://")
     cache = plistlib.loads((tmp_path / "com.dflash.cache.plist").read_bytes())
-    assert cache["ProgramArguments"][:3] == [sys.executable, "-m", "dflash.cache.l2"]
+    assert cache["ProgramArguments"][:3] == [sys.executable, "-m", "dflash.cache.l2"] and cache["Umask"] == 0o077
     assert cache["ProgramArguments"][3:7] == ["--dir", cfg["cache_dir"], "--endpoint", cfg["cache_endpoint"]]
 
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # as launchd would
@@ -94,7 +95,7 @@ def test_install_renders_valid_plists_that_start_a_worker(tiny_pair, dirs, tmp_p
     assert res.exit_code == 0, res.output
     unit = (tmp_path / "dflashd.service").read_text()
     assert f"ExecStart={sys.executable} -m dflash.daemon.supervisor --config-json @{d / 'state' / 'daemon.json'}" in unit
-    assert "Restart=on-failure" in unit and "RestartPreventExitStatus=2 3" in unit 
+    assert "Restart=on-failure" in unit and "RestartPreventExitStatus=2 3" in unit and "UMask=0077" in unit
     assert not re.search(r"@[A-Z_]+@", unit) and not re.search(rb"@[A-Z_]+@", (tmp_path / "com.dflash.worker.plist").read_bytes())
     assert not re.search(rb"@[A-Z_]+@", (tmp_path / "com.dflash.cache.plist").read_bytes())
     res = CliRunner().invoke(dflashd, ["uninstall", "--kind", "launchd", "--dest", str(tmp_path), "--no-load"])

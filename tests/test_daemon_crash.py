@@ -8,18 +8,10 @@ import signal
 import time
 
 import pytest
-from daemon_fixtures import PROMPTS, make_daemon, reference, tiny_pair  # noqa: F401
+from daemon_fixtures import PROMPTS, make_daemon, reference, tiny_pair, wait_until  # noqa: F401
 
 from dflash.client import JobFailedError, WorkerGoneError
 
-
-def _wait(pred, timeout=30.0, what="condition"):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_kill9_mid_stream_then_queued_jobs_complete(make_daemon, tiny_pair):  # noqa: F811
@@ -55,7 +47,7 @@ def test_job_that_keeps_crashing_is_failed(make_daemon):  # noqa: F811
     c = d.client(timeout=60)
     h = c.submit(PROMPTS[0], max_tokens=8000)
     for attempt in (1, 2):
-        _wait(lambda: (s := c.status(h.job_id)).state == "running" and s.attempts == attempt, what=f"attempt {attempt}")
+        wait_until(lambda: (s := c.status(h.job_id)).state == "running" and s.attempts == attempt, what=f"attempt {attempt}")
         os.kill(c.stats()["pid"], signal.SIGKILL)
     with pytest.raises(JobFailedError) as e:
         h.result(timeout=60)

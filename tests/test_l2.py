@@ -89,8 +89,8 @@ def cache_proc(tmp_path):
 
 
 def blob(seed: int, size: int) -> bytes:
-    """A valid snapshot envelope of about `size` bytes."""
-    return snapshot.encode({"n_tokens": seed, "pad": bytes([seed % 256]) * size})
+    """A valid snapshot envelope of about `size` bytes, bound to key(seed)."""
+    return snapshot.encode({"n_tokens": seed, "pad": bytes([seed % 256]) * size}, key(seed))
 
 
 def key(i: int) -> str:

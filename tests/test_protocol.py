@@ -17,7 +17,7 @@ from dflash.daemon.config import DaemonConfig, load_config
 
 def test_every_struct_round_trips_with_version():
     for cls in list(P.REQUESTS.values()):
-        msg = cls(rid=7)
+        msg = cls(rid=7, **({"job_id": "j-1"} if cls in (P.Cancel, P.JobStatus) else {}))  # they need an id
         m = codec.decode_map(codec.encode(msg))
         assert m["v"] == P.VERSION and m["op"] == cls.op
         assert P.parse_request(m) == msg
