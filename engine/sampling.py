@@ -102,14 +102,29 @@ def filter_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
     return lp
 
 
+def scaled_logits(logits: mx.array, params: SamplingParams) -> mx.array:
+    """Logits (float32) whose softmax is the sampling distribution: filtered, then divided by the
+    temperature. Not normalised when nothing is filtered (softmax does not need it): a plain
+    decode step then costs what mlx-lm's sampler does, not a log-softmax more."""
+    x = logits.astype(mx.float32)
+    if params.top_p < 1.0 or 0 < params.top_k < x.shape[-1]:
+        x = filter_logprobs(x, params)
+    return x * (1.0 / params.temperature)
+
+
 def probs(logits: mx.array, params: SamplingParams) -> mx.array:
     """The sampling distribution over the last axis (p for the target, q for the draft)."""
-    return mx.softmax(filter_logprobs(logits, params) * (1.0 / params.temperature), axis=-1)
+    return mx.softmax(scaled_logits(logits, params), axis=-1)
 
 
 def draw(p: mx.array, key: mx.array) -> mx.array:
     """One token id per row of p (int32); zero-probability tokens are never drawn."""
     return mx.random.categorical(mx.log(p), axis=-1, key=key).astype(mx.int32)
+
+
+def draw_scaled(x: mx.array, key: mx.array) -> mx.array:
+    """One token id per row, drawn from softmax(x) for x = scaled_logits(...) (int32)."""
+    return mx.random.categorical(x, axis=-1, key=key).astype(mx.int32)
 
 
 def residual(p: mx.array, q: mx.array) -> mx.array:

@@ -59,6 +59,9 @@ def verify(
     if sampling is None:
         tokens = mx.argmax(logits[0], axis=-1).astype(mx.int32)
         accepted = greedy_accept(drafts, tokens)
+    elif drafts.shape[0] == 0:  # a plain step: one draw from p, nothing to accept
+        tokens = sampling_mod.draw_scaled(sampling_mod.scaled_logits(logits[0], sampling), key)
+        accepted = mx.zeros((), mx.int32)
     else:
         p = sampling_mod.probs(logits[0], sampling)
         accepted, tokens = sampling_mod.accept(p, drafts.astype(mx.int32), q, key)

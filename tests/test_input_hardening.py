@@ -110,7 +110,10 @@ def test_error_bodies_name_no_paths_the_log_does(make_daemon):  # noqa: F811
     g = Gateway(d, "--api-key", KEY)
     try:
         os.killpg(d.proc.pid, signal.SIGTERM)  # the daemon goes away under the gateway
-        d.proc.wait(15)
+        try:
+            d.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the daemon did not stop in 60 s after SIGTERM; its log:\n{d.logs()[-3000:]}")
         for path in ("/v1/models", CHAT):
             status, _, raw = g.http("POST" if path == CHAT else "GET", path, {"messages": MSGS} if path == CHAT else None)
             err = _error(status, raw)

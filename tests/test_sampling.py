@@ -121,7 +121,7 @@ def test_greedy_path_untouched(pairs, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("a sampling op ran on the greedy path")
 
-    for name in ("probs", "draw", "accept", "KeyChain"):
+    for name in ("scaled_logits", "probs", "draw", "draw_scaled", "accept", "KeyChain"):
         monkeypatch.setattr(sampling, name, boom)
     monkeypatch.setattr("dflash.engine.generate.KeyChain", boom)
     final, _ = run_dflash(

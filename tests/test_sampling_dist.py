@@ -443,10 +443,10 @@ def test_engine_wrong_samplers_are_rejected(pairs, monkeypatch):
     r = assert_rejected(counts, engine_exact(sharp, ids, params, n), n)
     print("engine, q not subtracted:", r)
     n = 400
-    real_probs = sampling.probs
+    real_scaled = sampling.scaled_logits  # the one transform every draw goes through
     with monkeypatch.context() as m:
-        hot = lambda x, p: real_probs(x, replace(p, temperature=p.temperature * 1.1))  # noqa: E731
-        m.setattr(sampling, "probs", hot)
+        hot = lambda x, p: real_scaled(x, replace(p, temperature=p.temperature * 1.1))  # noqa: E731
+        m.setattr(sampling, "scaled_logits", hot)
         counts = engine_counts(pair, sharp, lambda: pair.drafter, ids, params, n)
     r = assert_rejected(counts, engine_exact(sharp, ids, params, n), n)
     print("engine, temperature 1.1:", r)
