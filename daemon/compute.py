@@ -11,6 +11,7 @@ import logging
 import queue as _queue
 import threading
 import traceback
+from dataclasses import asdict
 from typing import Any, Callable
 
 from . import caching
@@ -88,6 +89,7 @@ class Compute:
 
     def _generate(self, job: Job) -> tuple[Any, str]:
         from dflash.engine.generate import Finished, stream_dflash_generate
+        from dflash.engine.sampling import SamplingParams
 
         if self.pair is None:
             return P.Error(code=P.NOT_READY, message=f"model not loaded: {self.load_error}", job_id=job.job_id), "error"
@@ -140,7 +142,7 @@ class Compute:
         stats = final.stats.to_dict()
         reason = job.cancel_reason or stats.get("finish_reason", "")
         stats["finish_reason"] = reason
-        stats["sampling"] = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, **sampling}
+        stats["sampling"] = {**asdict(SamplingParams()), **sampling}  # the engine's defaults: greedy
         self.counters["tokens_generated"] += len(final.token_ids)
         done = P.Done(job_id=job.job_id, text=final.text, token_ids=final.token_ids, stats=stats, finish_reason=reason)
         return done, ("cancelled" if reason == "cancelled" else "done")

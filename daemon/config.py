@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from . import paths
+from .protocol import SAMPLING_FIELDS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -146,7 +147,7 @@ def is_loopback(host: str) -> bool:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(DaemonConfig)}
-GENERATION_KEYS = ("temperature", "top_p", "top_k", "seed")  # the [generation] table
+GENERATION_KEYS = SAMPLING_FIELDS  # the [generation] table: a submit's sampling defaults
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:
@@ -191,8 +192,8 @@ def load_config(
         section = dict(data.get("daemon", data))
         generation = data.get("generation", {})
         section.pop("generation", None)
-        if not isinstance(generation, dict) or sorted(set(generation) - set(GENERATION_KEYS)):
-            bad = sorted(set(generation) - set(GENERATION_KEYS)) if isinstance(generation, dict) else generation
+        bad = sorted(set(generation) - set(GENERATION_KEYS)) if isinstance(generation, dict) else generation
+        if bad:
             raise ValueError(f"{file}: [generation] takes only {', '.join(GENERATION_KEYS)}; got {bad!r}")
         cfg = _apply(cfg, {**section, **generation}, str(file))
     from_env = {n: env[f"DFLASH_{n.upper()}"] for n in _FIELDS if f"DFLASH_{n.upper()}" in env}

@@ -14,7 +14,7 @@ from typing import Any, Callable
 from . import protocol as P
 
 # Sampling the engine applies (top_k is vLLM's extra field). Absent or null: the server default.
-SAMPLING = ("temperature", "top_p", "top_k", "seed")
+SAMPLING = P.SAMPLING_FIELDS
 # Sampling fields the engine does not apply, with the test for "asks for something": at any other
 # (neutral) value they are fine; otherwise the answer is made without them and says so (the
 # x-dflash-sampling-ignored header), or, with --sampling reject, the request is refused.

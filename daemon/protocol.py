@@ -76,6 +76,9 @@ def version_error(peer: Any, what: str, me: str) -> ProtocolError:
                          f"this {me} speaks version {VERSION} ({hint})", peer_version=peer)
 
 
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")  # a submit's sampling (v2), mlx-lm's names
+
+
 def sampling_problem(temperature: Any = None, top_p: Any = None, top_k: Any = None,
                      seed: Any = None) -> tuple[str, str] | None:
     """(field, message) for the first sampling value out of range, else None (None = unset).

@@ -93,14 +93,16 @@ class JobStore:
     def save(self, job: Job) -> None:
         self.cache.set(_JOB + job.job_id, _pack(_record(job)))
 
-    def hold(self, job: Job) -> None:
-        """Keep a job nobody waits for until `retention_s` after it was first held."""
+    def hold(self, job: Job) -> bool:
+        """Keep a job nobody waits for until `retention_s` after it was first held; False when
+        that time has already run out (across restarts) and the job is dropped instead."""
         job.state, job.held_at = "held", job.held_at or time.time()
         left = job.held_at + self.retention_s - time.time()
         if left > 0:
             self.cache.set(_JOB + job.job_id, _pack(_record(job)), expire=left)
         else:
             self.cache.delete(_JOB + job.job_id)
+        return left > 0
 
     def has_job(self, job_id: str) -> bool:
         """Whether the job's record is still there (a held one expires)."""

@@ -164,8 +164,7 @@ class Worker:
         jobs, failed = self.store.recover(self.cfg.max_attempts)
         for job in jobs:
             if job.stream:  # its client heard the worker go: run it only if someone asks again
-                self.store.hold(job)
-                if self.store.has_job(job.job_id):  # else its hold ran out across restarts
+                if self.store.hold(job):  # else its hold ran out across restarts
                     self.held[job.job_id] = job
             else:
                 self.jobs.push(job, force=True)
@@ -437,8 +436,8 @@ class Worker:
             "held": len(self.held),
             "job_store": self.store.notes(),  # damaged job stores moved aside and still kept
             "l2_cache": "up" if cache["l2_up"] else "down" if self.cfg.cache else "off",
-            "generation": {"temperature": self.cfg.temperature, "top_p": self.cfg.top_p, "top_k": self.cfg.top_k,
-                           "seed": self.cfg.seed, "verify_window": self.cfg.verify_window},
+            "generation": {**{k: getattr(self.cfg, k) for k in P.SAMPLING_FIELDS},
+                           "verify_window": self.cfg.verify_window},
             **self.compute.counters,
             **self.counters,
             "cache": cache,

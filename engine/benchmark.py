@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import inspect
 import json
 import os
 import platform
@@ -61,6 +60,7 @@ from .benchsetup import (
 )
 from .drafters import DFlashDrafter, Drafter
 from .generate import Finished, stream_dflash_generate
+from .sampling import SamplingParams
 from .target import TargetModel
 
 Log = Callable[[str], None]
@@ -87,32 +87,8 @@ def _timing(n_prompt: int, ids: list[int], t0: float, t_first: float, t_end: flo
     }
 
 
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """The sampling of one run: greedy (temperature 0) or mlx-lm's make_sampler parameters."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def kwargs(self) -> dict[str, Any]:
-        """stream_dflash_generate's sampling keywords ({} when greedy: any engine version)."""
-        if self.greedy:
-            return {}
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                "seed": self.seed}
-
-
+Sampling = SamplingParams  # one run's sampling: greedy (temperature 0) or mlx-lm's make_sampler's
 GREEDY = Sampling()
-
-
-def dflash_supports_sampling() -> bool:
-    return "temperature" in inspect.signature(stream_dflash_generate).parameters
 
 
 def run_baseline(
@@ -171,10 +147,10 @@ def run_dflash(
     final: Finished | None = None
     t_first: float | None = None
     t0 = time.perf_counter()
-    copy = {} if copy_draft else {"copy_draft": False}  # the default: any engine version
     gen = stream_dflash_generate(
         setup.target, drafter, setup.tokenizer, ids, max_tokens, verify_window=window,
-        **sampling.kwargs(), **copy,
+        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+        seed=sampling.seed, copy_draft=copy_draft,
     )
     for ev in gen:
         if isinstance(ev, Finished):
@@ -195,7 +171,7 @@ def run_dflash(
         cycles=s.cycles,
         accepted_drafts=s.accepted_drafts,
         accept_histogram=list(s.accept_histogram),
-        copy_cycles=getattr(s, "copy_cycles", 0),
+        copy_cycles=s.copy_cycles,
         engine_stats=s.to_dict(),
     )
     return list(final.token_ids), rec
@@ -342,6 +318,7 @@ class Bench:
         self.ledger = ShapeLedger(setup.target)
         self.planner = Planner(self.ledger)
         self.counter = 0
+        self._forward: dict[tuple, dict | None] = {}  # forward costs do not depend on the temperature
 
     def sampling(self, temperature: float) -> Sampling:
         """Greedy, or the run's own seed: reproducible, different for every run."""
@@ -377,6 +354,14 @@ class Bench:
         return out, rec
 
     def forward_cost(self, center: int, ids: list[int] | None = None) -> dict | None:
+        """t(verify), t(step), t(draft) near `center` (or on `ids`): measured once per context,
+        shared by every temperature's rows."""
+        key = (center, None if ids is None else tuple(ids))
+        if key not in self._forward:
+            self._forward[key] = self._measure_forward(center, ids)
+        return self._forward[key]
+
+    def _measure_forward(self, center: int, ids: list[int] | None) -> dict | None:
         cfg, setup = self.cfg, self.setup
         if cfg.verify_iters <= 0:
             return None
@@ -623,8 +608,6 @@ def run_benchmark(cfg: BenchConfig, log: Log = print) -> tuple[dict, Path]:
     sampled = [t for t in cfg.temperatures if t > 0]
     if sampled and cfg.oracle:
         raise ValueError("--oracle is greedy only: it replays the target's greedy ids")
-    if sampled and not dflash_supports_sampling():
-        raise ValueError("this engine's stream_dflash_generate has no sampling (temperature)")
     t_setup = time.perf_counter()
     setup = build_setup(cfg)
     # Raw prompts ignore EOS: every run generates exactly max_tokens (comparable tok/s). Chat

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -265,8 +266,30 @@ class DFlashDraft(nn.Module):
         return self.norm(h)
 
 
+_ROWS = re.compile(r"(.*)\.__rows(\d+)of(\d+)")  # a tensor split by rows into checkpoint parts
+
+
+def join_rows(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Undo a checkpoint's row split (`NAME.__rows{i}of{n}` -> NAME; training/checkpoint.py
+    splits tensors larger than a part)."""
+    out, split = {}, {}
+    for k, v in weights.items():
+        m = _ROWS.fullmatch(k)
+        if m:
+            split.setdefault(m.group(1), {})[int(m.group(2))] = (int(m.group(3)), v)
+        else:
+            out[k] = v
+    for name, pieces in split.items():
+        n = next(iter(pieces.values()))[0]
+        if sorted(pieces) != list(range(n)):
+            raise ValueError(f"checkpoint tensor {name}: parts {sorted(pieces)} of {n}")
+        out[name] = mx.concatenate([pieces[i][1] for i in range(n)], axis=0)
+    return out
+
+
 def load_draft(path: str | Path, dtype: mx.Dtype | None = None) -> DFlashDraft:
-    """Load a draft directory in the published DFlash format."""
+    """Load a draft directory in the published DFlash format, or a training checkpoint (its
+    parts, tensors split by rows included)."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -280,7 +303,7 @@ def load_draft(path: str | Path, dtype: mx.Dtype | None = None) -> DFlashDraft:
     weights: dict[str, mx.array] = {}
     for f in files:
         weights.update(mx.load(f))
-    weights = {k.removeprefix("model."): v for k, v in weights.items()}
+    weights = {k.removeprefix("model."): v for k, v in join_rows(weights).items()}
     weights = {k: v for k, v in weights.items() if not k.startswith(("embed_tokens", "lm_head"))}
     quant = raw.get("quantization")
     if quant:

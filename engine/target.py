@@ -8,7 +8,7 @@ exactly as they were: only a side channel is added.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -115,20 +115,24 @@ class TargetModel:
         `last_only` (prefill): logits of the last position only, [1, 1, V]; the LM head over a
         whole prompt chunk is most of a small model's prefill and only its last row is used.
         """
+        if last_only:
+            return self.capture(lambda: self.lm_head(self.inner(tokens, cache=cache)[:, -1:]))
+        return self.capture(lambda: self.model(tokens, cache=cache))
+
+    def capture(self, run: Callable[[], mx.array]) -> tuple[mx.array, mx.array]:
+        """(run(), the captured layers' outputs concatenated [.., L, K*D]) for a pass of the model
+        that `run` makes (inference with caches, or training's cache-free batch pass)."""
         sink: list[mx.array] = []
         for i in self.layer_ids:
             self.layers[i].__dict__["_dflash_sink"] = sink
         try:
-            if last_only:
-                logits = self.lm_head(self.inner(tokens, cache=cache)[:, -1:])
-            else:
-                logits = self.model(tokens, cache=cache)
+            out = run()
         finally:
             for i in self.layer_ids:
                 self.layers[i].__dict__["_dflash_sink"] = None
         if len(sink) != len(self.layer_ids):
             raise RuntimeError(f"captured {len(sink)} layer outputs, expected {len(self.layer_ids)}")
-        return logits, mx.concatenate(sink, axis=-1)
+        return out, mx.concatenate(sink, axis=-1)
 
 
 def _embedding_shape(emb: nn.Module) -> tuple[int, int]:

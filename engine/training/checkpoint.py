@@ -8,10 +8,9 @@ A checkpoint folder:
     optimizer/state.safetensors          optional (--save-optimizer): AdamW moments + step, fp32
     optimizer/master.safetensors         optional: the fp32 master weights (exact local resume)
 
-When every tensor fits in a part (SmolLM2 drafts: the largest is 3.3 MB) the folder is itself a
-loadable draft: `load_draft` reads every top-level *.safetensors. A tensor larger than a part is
-split by rows into keys `NAME.__rows{i}of{n}`; `load_weights` joins them back (`load_draft` does
-not know that suffix). The folder is written to a sibling temp folder and swapped in, so a
+The folder is itself a loadable draft: `load_draft` reads every top-level *.safetensors. A
+tensor larger than a part is split by rows into keys `NAME.__rows{i}of{n}`, which `load_draft`
+joins back (draft.join_rows). The folder is written to a sibling temp folder and swapped in, so a
 crash mid-save never leaves a half checkpoint.
 """
 
@@ -19,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -28,7 +26,6 @@ import mlx.core as mx
 
 PART_BYTES = 15_000_000
 _HEADER_BUDGET = 64 * 1024  # safetensors header (JSON with names, shapes, offsets) per file
-_ROWS = re.compile(r"^(.*)\.__rows(\d+)of(\d+)$")
 
 
 def _pieces(name: str, t: mx.array, budget: int) -> list[tuple[str, mx.array]]:
@@ -66,50 +63,15 @@ def write_parts(weights: dict[str, mx.array], folder: Path, part_bytes: int = PA
     return files
 
 
-def join_rows(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Undo write_parts' row split (`NAME.__rows{i}of{n}` -> NAME)."""
-    out, split = {}, {}
-    for k, v in weights.items():
-        m = _ROWS.match(k)
-        if m:
-            split.setdefault(m.group(1), {})[int(m.group(2))] = (int(m.group(3)), v)
-        else:
-            out[k] = v
-    for name, pieces in split.items():
-        n = next(iter(pieces.values()))[0]
-        if sorted(pieces) != list(range(n)):
-            raise ValueError(f"checkpoint tensor {name}: parts {sorted(pieces)} of {n}")
-        out[name] = mx.concatenate([pieces[i][1] for i in range(n)], axis=0)
-    return out
-
-
-def load_weights(folder: str | Path) -> dict[str, mx.array]:
-    """All draft weights of a checkpoint or a published draft folder (top-level *.safetensors)."""
-    folder = Path(folder)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {folder}")
-    w: dict[str, mx.array] = {}
-    for f in files:
-        w.update(mx.load(str(f)))
-    w = {k.removeprefix("model."): v for k, v in join_rows(w).items()}
-    return {k: v for k, v in w.items() if not k.startswith(("embed_tokens", "lm_head"))}
-
-
 def load_draft_any(folder: str | Path, dtype: mx.Dtype | None = None):
-    """A DFlashDraft from a checkpoint (row-split parts included) or a published draft folder."""
-    from ..draft import DFlashDraft, DraftConfig
+    """A DFlashDraft to train from: a checkpoint (row-split parts included) or a published draft
+    folder, read by the one draft loader (draft.load_draft); a quantized draft cannot be trained."""
+    from ..draft import load_draft
 
     folder = Path(folder)
-    raw = json.loads((folder / "config.json").read_text())
-    if raw.get("quantization"):
+    if json.loads((folder / "config.json").read_text()).get("quantization"):
         raise ValueError(f"{folder}: a quantized draft cannot seed training")
-    draft = DFlashDraft(DraftConfig.from_dict(raw))
-    draft.load_weights(list(load_weights(folder).items()), strict=True)
-    if dtype is not None:
-        draft.set_dtype(dtype)
-    mx.eval(draft.parameters())
-    return draft
+    return load_draft(folder, dtype)
 
 
 def save_checkpoint(

@@ -469,17 +469,20 @@ def collect_responses(
     """Greedy responses for `prompts`: this rank answers its shard (i::size) of the prompts not
     cached yet, then every rank reads every shard. Returns the samples of `prompts` only.
     Collective: every rank calls it."""
+    wanted = set(prompts)
     barrier()
-    have = {(s.kind, s.prompt) for s in load_all_samples(data_dir)}
+    cached = load_all_samples(data_dir)
     barrier()  # every rank has read the same cache before any rank writes to it
+    have = {(s.kind, s.prompt) for s in cached}
     todo = [p for p in prompts if p not in have]
+    if not todo:  # the same on every rank (same cache, same prompts): nothing to write or re-read
+        return [s for s in cached if (s.kind, s.prompt) in wanted]
     mine = todo[rank::size]
     if mine:
         generate_responses(model, tokenizer, mine, ["train"] * len(mine),
                            data_dir / shard_name("responses", rank, size), max_new_tokens,
                            batch_size, log)
     barrier()
-    wanted = set(prompts)
     return [s for s in load_all_samples(data_dir) if (s.kind, s.prompt) in wanted]
 
 
@@ -505,10 +508,6 @@ class TokenStore:
     @property
     def num_tokens(self) -> int:
         return int(self.lengths.sum())
-
-    @property
-    def max_length(self) -> int:
-        return int(self.lengths.max())
 
     @classmethod
     def from_samples(cls, samples: list[Sample], max_len: int, min_response: int = 2) -> "TokenStore":

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,6 +33,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..draft import DFlashDraft, DraftConfig, save_draft
+from ..drafters import check_fit
 from ..target import TargetModel, default_layer_ids
 from . import checkpoint as ck
 from . import data as td
@@ -154,7 +155,6 @@ class TrainOptions:
     ckpt_every: int = 500
     part_mb: float = 15.0
     save_optimizer: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 def _init_from_target(draft: DFlashDraft, target: TargetModel) -> int:
@@ -194,12 +194,6 @@ class Dist:
             return flag
         return float(mx.distributed.all_sum(mx.array([float(flag)]), group=self.group).item()) > 0
 
-    def mean_tree(self, tree: Any) -> Any:
-        if self.size == 1:
-            return tree
-        from mlx.utils import tree_map
-
-        return tree_map(lambda x: mx.distributed.all_sum(x, group=self.group) / self.size, tree)
 
 
 def _dtype(name: str | None, on_gpu: bool) -> mx.Dtype:
@@ -247,15 +241,13 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
                                              opts.layer_ids, opts.num_capture))
     cfg = draft.config
     target = TargetModel(model, cfg.target_layer_ids)
-    if cfg.hidden_size != target.hidden_size or cfg.vocab_size != target.vocab_size:
-        raise ValueError(f"draft (hidden {cfg.hidden_size}, vocab {cfg.vocab_size}) does not fit the "
-                         f"target (hidden {target.hidden_size}, vocab {target.vocab_size})")
+    check_fit(draft, target)  # the drafter's own check, before any data or training work
     if opts.init_from_target and not (opts.resume or opts.init_draft):
         say(f"[train] warm start: {_init_from_target(draft, target)} matrices from the target")
     master = cast_tree(draft.trainable_parameters(), mx.float32)
     if saved_opt is not None:
         master = tree_unflatten(list(saved_opt[1].items()))
-    master = dist.mean_tree(master)  # every rank starts from the same weights
+    master = nn.average_gradients(master, dist.group)  # every rank starts from the same weights
     mx.eval(master)
     n_params = sum(v.size for _, v in tree_flatten(master))
     say(f"[train] target {opts.target} ({target.num_layers} layers, hidden {target.hidden_size}, "
@@ -490,7 +482,7 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
         "final": history[-1] if history else {}, "history": history,
         "config": cfg.to_dict(), "device": str(mx.default_device()), "dtype": str(tdt).split(".")[-1],
         "compute_dtype": str(cdt).split(".")[-1],
-        "options": {k: v for k, v in asdict(opts).items() if k != "extra"},
+        "options": asdict(opts),
     }
     if not dist.main:
         return summary

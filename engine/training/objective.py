@@ -40,17 +40,8 @@ def target_pass(
 
     Only the needed rows ever reach the LM head (inside the loss), never all L of them.
     """
-    sink: list[mx.array] = []
-    for i in target.layer_ids:
-        target.layers[i].__dict__["_dflash_sink"] = sink
-    try:
-        h = target.inner(tokens)
-    finally:
-        for i in target.layer_ids:
-            target.layers[i].__dict__["_dflash_sink"] = None
-    if len(sink) != len(target.layer_ids):
-        raise RuntimeError(f"captured {len(sink)} layer outputs, expected {len(target.layer_ids)}")
-    feats = mx.stop_gradient(mx.concatenate(sink, axis=-1))
+    h, feats = target.capture(lambda: target.inner(tokens))
+    feats = mx.stop_gradient(feats)
     if rows is None:
         return feats, None
     S, A, R = rows.shape
