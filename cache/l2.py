@@ -34,6 +34,8 @@ import diskcache
 import msgpack
 import zmq
 
+from dflash.daemon.paths import private_dir
+
 from . import repair, snapshot
 from .snapshot import CorruptSnapshot
 
@@ -70,7 +72,7 @@ class Store:
     """The two diskcache stores: snapshots (LRU within a byte budget) and position lists."""
 
     def __init__(self, directory: str | Path, size_limit: int = DEFAULT_SIZE_LIMIT):
-        directory = _private_dir(Path(directory).absolute())
+        directory = private_dir(Path(directory).absolute())
         self.snaps, _ = repair.open_store(
             directory / "snapshots", _snapshot_key, label="L2 snapshot store",
             disk=BytesOnlyDisk,
@@ -84,7 +86,7 @@ class Store:
             eviction_policy="none",
         )
         for sub in ("snapshots", "positions"):  # stores made by older versions were 0755
-            _private_dir(directory / sub)
+            private_dir(directory / sub)
         self.recoveries = repair.notes(directory)  # damaged stores kept for inspection
         self.counters = dict(
             hits=0, misses=0, puts=0, corrupt_dropped=0, write_errors=0, evictions=0,
@@ -308,16 +310,9 @@ def _positions_key(key: str | None, data: bytes) -> str | None:
     return key if ok else None
 
 
-def _private_dir(path: Path) -> Path:
-    """Create `path` (and missing parents) 0700, or tighten it to 0700 if it already existed."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path, 0o700)
-    return path
-
-
 def _lock(directory: Path):
     """Hold an exclusive lock on the store directory: one cache process per store."""
-    _private_dir(directory)
+    private_dir(directory)
     f = open(directory / "l2.lock", "w")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

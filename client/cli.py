@@ -15,6 +15,8 @@ from typing import NoReturn
 
 import click
 
+from dflash.daemon import protocol as P
+
 from . import errors as E
 from .client import DFlashClient, Result
 
@@ -192,9 +194,7 @@ def status(client: DFlashClient, as_json):
 def store_notes(st: dict) -> list[str]:
     """Lines about damaged job stores the worker replaced, for as long as the damaged copy is kept
     (shared with `dflashd start` and `dflashd status`)."""
-    return [f"job store was damaged ({n.get('reason')}) at {n.get('at')}: recreated, {n.get('salvaged')} jobs and "
-            f"results salvaged; the damaged copy is kept in {n.get('moved_to')} (delete it when done)"
-            for n in st.get("job_store") or ()]
+    return [P.damaged_store_line(n, "job store", "jobs and results") for n in st.get("job_store") or ()]
 
 
 def cache_lines(cache: dict | None) -> list[str]:

@@ -17,6 +17,7 @@ from dflash.cache.client import CacheClient
 from dflash.cache.tiers import Identity, PrefixCache
 
 from .config import DaemonConfig
+from .protocol import damaged_store_line
 
 log = logging.getLogger("dflash.worker")
 _CONFIG_FILES = ("config.json", "tokenizer_config.json", "generation_config.json", "tokenizer.json")
@@ -105,6 +106,4 @@ def cache_stats(cfg: DaemonConfig, cache: PrefixCache | None, remote: dict | Non
 
 def recovery_note(n: dict) -> str:
     """One status line for a damaged L2 store the cache process moved aside and recreated."""
-    return (f"L2 {n.get('store')} store was damaged ({n.get('reason')}) at {n.get('at')}: recreated, "
-            f"{n.get('salvaged')} entries salvaged; the damaged copy is kept in {n.get('moved_to')} "
-            f"(delete it when done)")
+    return damaged_store_line(n, f"L2 {n.get('store')} store")

@@ -381,6 +381,14 @@ def current_result(m: dict) -> dict:
     return m
 
 
+def damaged_store_line(note: dict, what: str, salvaged: str = "entries") -> str:
+    """One status line for a store found damaged, moved aside and recreated (the recovery notes
+    `status` carries for the job store and the L2 stores; cache/repair.py writes them)."""
+    return (f"{what} was damaged ({note.get('reason')}) at {note.get('at')}: recreated, "
+            f"{note.get('salvaged')} {salvaged} salvaged; the damaged copy is kept in "
+            f"{note.get('moved_to')} (delete it when done)")
+
+
 def _build(cls: type, m: dict, envelope: tuple[str, ...], strict: bool = True) -> Any:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}

@@ -70,3 +70,20 @@ def test_acceptance_estimate_follows_outcomes():
     for _ in range(60):
         a.observe(8, 0)
     assert high > 0.9 and a.p < 0.1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_long_prompt_indexed_at_once_matches_brute_force(seed: int):
+    """reset() indexes a whole prompt with numpy hashes; what it finds equals the brute force,
+    before and after tokens are committed one by one."""
+    rng = random.Random(100 + seed)
+    vocab = rng.choice([4, 50, 49152])
+    h = [rng.randrange(vocab) for _ in range(600)] + [7, 8, 9, 10, 11] * 3
+    p = CopyProposer(min_ngram=2, max_ngram=6)
+    p.reset(h)
+    assert p.propose(9) == brute_force(h, 9, 2, 6)
+    for _ in range(40):
+        new = [rng.randrange(vocab)] if rng.random() < 0.5 else h[rng.randrange(len(h) - 3):][:3]
+        h += new
+        p.extend(new)
+        assert p.propose(9) == brute_force(h, 9, 2, 6)

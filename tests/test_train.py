@@ -339,3 +339,19 @@ def test_derived_prompt_cache_of_two_ranks_serves_one_rank(tmp_path: Path):
     got = td.cached_derived_prompts(None, None, 18, tmp_path)  # model None: deriving would fail
     assert [p for _, p in got] == [f"question {i}" for i in range(18)]
     assert not (tmp_path / "derived_prompts.jsonl").exists()
+
+
+def test_excluded_prompts_are_not_generated_or_trained(looping: Path, tmp_path: Path):
+    """--exclude-prompts: those prompts get no responses and no training sequences (a session
+    spends its generation time on fresh prompts only)."""
+    from dflash.engine.training.data import builtin_prompts, load_all_samples
+
+    prompts = builtin_prompts(20, 0)
+    excluded = tmp_path / "earlier.jsonl"
+    excluded.write_text("".join(json.dumps({"kind": k, "prompt": p}) + "\n" for k, p in prompts[:5]))
+    data = tmp_path / "data"
+    s = train_draft(_opts(looping, tmp_path / "out", data, data_only=True,
+                          exclude_prompts=str(excluded)), log=lambda s: None)
+    got = {x.prompt for x in load_all_samples(data)}
+    assert s["train_sequences"] == len(got) and got
+    assert got <= {p for _, p in prompts[5:]} and not got & {p for _, p in prompts[:5]}

@@ -144,6 +144,7 @@ class TrainOptions:
     prompts: str | None = None
     num_prompts: int = 600
     derive_prompts: int = 0
+    exclude_prompts: str | None = None  # prompts (file) NOT trained on this session
     heldout_file: str | None = None
     max_new_tokens: int = 256
     gen_batch_size: int = 64
@@ -261,13 +262,17 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
     t0 = time.perf_counter()
     heldout_pairs = td.load_heldout(opts.heldout_file)
     held_text = {p for _, p in heldout_pairs}
+    # --exclude-prompts: earlier sessions' prompts still count for deriving new ones (their number
+    # seeds the draw) but are not trained on, so a session can spend its generation time on fresh
+    # prompts only instead of regenerating responses the draft has already seen several times.
+    skip = {p for _, p in td.load_prompt_file(opts.exclude_prompts)} if opts.exclude_prompts else set()
     prompts = td.load_prompt_file(opts.prompts) if opts.prompts else td.builtin_prompts(opts.num_prompts, opts.seed)
     derived = td.cached_derived_prompts(model, tokenizer, opts.derive_prompts, data_dir, opts.seed,
                                         opts.gen_batch_size, say, dist.rank, dist.size, dist.barrier)
     seen: set[str] = set()
     train_prompts = []
     for k, p in prompts + derived:
-        if p not in held_text and p not in seen:
+        if p not in held_text and p not in skip and p not in seen:
             seen.add(p)
             train_prompts.append((k, p))
     samples = td.collect_responses(model, tokenizer, train_prompts, data_dir, opts.max_new_tokens,
@@ -278,7 +283,7 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
     store = td.TokenStore.from_samples(samples, seq_len)
     say(f"[data] {store.num_sequences} training sequences, {store.num_tokens} tokens, sequence "
         f"length {seq_len} ({len(train_prompts)} prompts, {len(derived)} derived by the target; "
-        f"{len(heldout_pairs)} held out; {t_gen:.0f}s)")
+        f"{len(heldout_pairs)} held out; {len(skip)} excluded; {t_gen:.0f}s)")
     if opts.data_only:
         return {"data_only": True, "train_sequences": store.num_sequences,
                 "train_tokens": store.num_tokens, "generation_time_s": t_gen}
@@ -538,6 +543,7 @@ def _cli():
     @click.option("--prompts", default=None, help="Prompt file (JSONL with prompt/kind, or one per line).")
     @click.option("--num-prompts", default=600, show_default=True, help="Built-in prompts to use.")
     @click.option("--derive-prompts", default=0, show_default=True, help="Extra prompts the target writes itself (sampled user turns).")
+    @click.option("--exclude-prompts", default=None, help="Prompt file whose prompts are not trained on (e.g. earlier sessions' derived prompts: they still seed the new draws, see docs/training.md).")
     @click.option("--heldout-file", default=None, help="Held-out prompts (default: the committed engine/training/heldout_prompts.jsonl).")
     @click.option("--max-new-tokens", default=256, show_default=True)
     @click.option("--gen-batch-size", default=64, show_default=True)
