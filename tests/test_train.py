@@ -355,3 +355,28 @@ def test_excluded_prompts_are_not_generated_or_trained(looping: Path, tmp_path: 
     got = {x.prompt for x in load_all_samples(data)}
     assert s["train_sequences"] == len(got) and got
     assert got <= {p for _, p in prompts[5:]} and not got & {p for _, p in prompts[:5]}
+
+
+def test_sampled_share_of_responses(looping: Path, tmp_path: Path):
+    """--sampled-responses: the prompts data.is_sampled picks (a fixed hash of the text) are
+    answered by sampling at --response-temperature, the rest greedily; each sample says which."""
+    from mlx_lm import load
+
+    from dflash.engine.training.data import batch_generate, chat_ids, is_sampled, load_all_samples
+
+    data = tmp_path / "data"
+    train_draft(_opts(looping, tmp_path / "out", data, data_only=True, num_prompts=24,
+                      sampled_responses=0.5, response_temperature=1.5), log=lambda s: None)
+    samples = load_all_samples(data)
+    picked = [s for s in samples if is_sampled(s.prompt, 0.5)]
+    assert picked and len(picked) < len(samples)  # both kinds present
+    assert all(s.temperature == (1.5 if is_sampled(s.prompt, 0.5) else 0.0) for s in samples)
+    model, tok = load(str(looping))
+    eos = tok.eos_token_ids
+    for s in samples:
+        assert s.prompt_ids == chat_ids(tok, s.prompt)
+    greedy = {s.prompt: s.response_ids for s in samples if s.temperature == 0}
+    again = batch_generate(model, [chat_ids(tok, p) for p in greedy], 32, eos)
+    assert again == list(greedy.values())  # the greedy share is plain greedy
+    redo = batch_generate(model, [s.prompt_ids for s in picked], 32, eos)
+    assert redo != [s.response_ids for s in picked]  # the sampled share is not

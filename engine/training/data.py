@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import random
 import time
+import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -33,6 +34,7 @@ class Sample:
     prompt_ids: list[int]
     response_ids: list[int]
     split: str = "train"  # "train" or "heldout"; held-out samples are never trained on
+    temperature: float = 0.0  # how the response was drawn: 0 greedy, else sampled at this temperature
 
     @property
     def ids(self) -> list[int]:
@@ -337,6 +339,12 @@ def derive_prompts(
     return out[:n]
 
 
+def is_sampled(prompt: str, share: float) -> bool:
+    """Whether `prompt` gets a sampled response when `share` of them do: a fixed hash of its
+    text, so every rank and every resumed run picks the same prompts."""
+    return share > 0 and zlib.crc32(prompt.encode("utf-8")) < share * 2**32
+
+
 def generate_responses(
     model: Any,
     tokenizer: Any,
@@ -346,39 +354,55 @@ def generate_responses(
     max_new_tokens: int = 256,
     batch_size: int = 64,
     log: Log = print,
+    sampled_share: float = 0.0,
+    temperature: float = 0.7,
+    seed: int = 0,
 ) -> list[Sample]:
-    """Greedy target responses for every prompt, appended to out_file (resumes where it stopped).
+    """Target responses for every prompt, appended to out_file (resumes where it stopped).
 
-    Prompts are sorted by length so a batch pads little; the stop token, when reached, is kept
-    as the last response token so the draft learns to predict the end too.
+    Greedy, except for `sampled_share` of the prompts (`is_sampled`), drawn at `temperature`:
+    a draft trained on greedy text only is weaker on the text a sampling user gets. Prompts are
+    sorted by length within each kind of response so a batch pads little; the stop token, when
+    reached, is kept as the last response token so the draft learns to predict the end too.
     """
     done = load_samples(out_file)
     have = {(s.kind, s.prompt) for s in done}
     todo = [(k, p, sp, chat_ids(tokenizer, p)) for (k, p), sp in zip(prompts, splits) if (k, p) not in have]
     if not todo:
         return done
-    todo.sort(key=lambda t: len(t[3]))
+    todo.sort(key=lambda t: (is_sampled(t[1], sampled_share), len(t[3])))
     eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
     fast = _fast_batch_ok(model)
+    if not fast and sampled_share > 0:
+        raise ValueError("sampled responses need a target with plain attention caches")
     t0, n_tok = time.perf_counter(), 0
     out_file.parent.mkdir(parents=True, exist_ok=True)
     with out_file.open("a") as f:
-        for start in range(0, len(todo), batch_size):
-            chunk = todo[start : start + batch_size]
+        start = 0
+        while start < len(todo):  # batches of one kind (greedy or sampled): sorted, so one switch
+            sampled = is_sampled(todo[start][1], sampled_share)
+            stop = start + 1
+            while stop < min(start + batch_size, len(todo)) and is_sampled(todo[stop][1], sampled_share) == sampled:
+                stop += 1
+            chunk = todo[start:stop]
             ids = [t[3] for t in chunk]
+            temp = temperature if sampled else 0.0
+            if sampled:
+                mx.random.seed(seed + start)  # the same draws when a run is repeated
             if fast:
-                resps = batch_generate(model, ids, max_new_tokens, eos)
+                resps = batch_generate(model, ids, max_new_tokens, eos, temperature=temp)
             else:
                 resps = _batch_generate_mlx_lm(model, ids, max_new_tokens, eos)
             for (kind, prompt, split, pid), resp in zip(chunk, resps):
-                s = Sample(kind, prompt, pid, resp, split)
+                s = Sample(kind, prompt, pid, resp, split, temp)
                 done.append(s)
                 n_tok += len(resp)
                 f.write(json.dumps(asdict(s)) + "\n")
             f.flush()
             dt = time.perf_counter() - t0
-            log(f"[data] responses {start + len(chunk)}/{len(todo)} | {n_tok} tokens, "
-                f"{n_tok / max(dt, 1e-9):.0f} tok/s")
+            log(f"[data] responses {stop}/{len(todo)} | {n_tok} tokens, "
+                f"{n_tok / max(dt, 1e-9):.0f} tok/s" + (f" (sampled at {temp:g})" if sampled else ""))
+            start = stop
     return done
 
 
@@ -464,10 +488,10 @@ def load_all_samples(data_dir: Path) -> list[Sample]:
 def collect_responses(
     model: Any, tokenizer: Any, prompts: list[tuple[str, str]], data_dir: Path,
     max_new_tokens: int, batch_size: int, log: Log = print, rank: int = 0, size: int = 1,
-    barrier: Callable[[], None] = lambda: None,
+    barrier: Callable[[], None] = lambda: None, sampled_share: float = 0.0, temperature: float = 0.7,
 ) -> list[Sample]:
-    """Greedy responses for `prompts`: this rank answers its shard (i::size) of the prompts not
-    cached yet, then every rank reads every shard. Returns the samples of `prompts` only.
+    """Responses for `prompts` (`generate_responses`): this rank answers its shard (i::size) of
+    the prompts not cached yet, then every rank reads every shard. Returns the samples of `prompts` only.
     Collective: every rank calls it."""
     wanted = set(prompts)
     barrier()
@@ -481,7 +505,7 @@ def collect_responses(
     if mine:
         generate_responses(model, tokenizer, mine, ["train"] * len(mine),
                            data_dir / shard_name("responses", rank, size), max_new_tokens,
-                           batch_size, log)
+                           batch_size, log, sampled_share, temperature, seed=1_000_003 * rank)
     barrier()
     return [s for s in load_all_samples(data_dir) if (s.kind, s.prompt) in wanted]
 

@@ -147,6 +147,8 @@ class TrainOptions:
     exclude_prompts: str | None = None  # prompts (file) NOT trained on this session
     heldout_file: str | None = None
     max_new_tokens: int = 256
+    sampled_responses: float = 0.0  # share of prompts answered by sampling (data.is_sampled)
+    response_temperature: float = 0.7
     gen_batch_size: int = 64
     data_only: bool = False
     # evaluation, logs, checkpoints
@@ -276,7 +278,8 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
             seen.add(p)
             train_prompts.append((k, p))
     samples = td.collect_responses(model, tokenizer, train_prompts, data_dir, opts.max_new_tokens,
-                                   opts.gen_batch_size, say, dist.rank, dist.size, dist.barrier)
+                                   opts.gen_batch_size, say, dist.rank, dist.size, dist.barrier,
+                                   opts.sampled_responses, opts.response_temperature)
     t_gen = time.perf_counter() - t0
     longest = max(len(s.ids) for s in samples)
     seq_len = int(min(opts.max_len, -(-longest // 32) * 32))
@@ -546,6 +549,8 @@ def _cli():
     @click.option("--exclude-prompts", default=None, help="Prompt file whose prompts are not trained on (e.g. earlier sessions' derived prompts: they still seed the new draws, see docs/training.md).")
     @click.option("--heldout-file", default=None, help="Held-out prompts (default: the committed engine/training/heldout_prompts.jsonl).")
     @click.option("--max-new-tokens", default=256, show_default=True)
+    @click.option("--sampled-responses", default=0.0, show_default=True, type=click.FloatRange(0, 1), help="Share of prompts answered by sampling at --response-temperature instead of greedily (which prompts: a hash of their text; cached responses are kept as they are).")
+    @click.option("--response-temperature", default=0.7, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Temperature of the sampled responses.")
     @click.option("--gen-batch-size", default=64, show_default=True)
     @click.option("--data-only", is_flag=True, help="Generate (or complete) the data cache, then stop.")
     @click.option("--eval-max-tokens", default=128, show_default=True)
