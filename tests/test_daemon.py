@@ -189,10 +189,13 @@ def test_cli_ctrl_c_cancels_the_job(daemon, client):
     cmd = [sys.executable, "-m", "dflash.client.cli", "--endpoint", daemon.endpoint, "prompt", PROMPTS[0], "-m", "4000"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        proc.stdout.read(1)  # streaming has begun
+        first = proc.stdout.read(1)  # streaming has begun
+        assert proc.poll() is None, (first, proc.stdout.read(), proc.stderr.read())  # 4000 tokens: ~11 s
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(20) == 130
-        assert b"cancelled" in proc.stderr.read()
+        code = proc.wait(20)
+        err = proc.stderr.read()
+        assert code == 130, (code, first, err, proc.stdout.read()[-300:])
+        assert b"cancelled" in err
     finally:
         if proc.poll() is None:
             proc.kill()
