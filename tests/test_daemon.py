@@ -187,7 +187,10 @@ def test_cli_ctrl_c_cancels_the_job(daemon, client):
     _wait_idle(client)
     before = client.stats()["jobs_cancelled"]
     cmd = [sys.executable, "-m", "dflash.client.cli", "--endpoint", daemon.endpoint, "prompt", PROMPTS[0], "-m", "4000"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # SIGINT at its default in the child: a test run started in the background (`... &` in a
+    # script) ignores SIGINT, children inherit that, and Python then installs no Ctrl-C handler
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         first = proc.stdout.read(1)  # streaming has begun
         assert proc.poll() is None, (first, proc.stdout.read(), proc.stderr.read())  # 4000 tokens: ~11 s

@@ -380,3 +380,27 @@ def test_sampled_share_of_responses(looping: Path, tmp_path: Path):
     assert again == list(greedy.values())  # the greedy share is plain greedy
     redo = batch_generate(model, [s.prompt_ids for s in picked], 32, eos)
     assert redo != [s.response_ids for s in picked]  # the sampled share is not
+
+
+def test_kl_branch_keeps_the_cross_entropy(tiny: Path):
+    """With KL on, CE comes from the same log-softmax as the KL term: the same number as the
+    CE-only loss, and a KL weight of 1 leaves exactly the KL (>= 0)."""
+    from mlx_lm import load
+
+    from dflash.engine.training.data import FixedBatches, Sample, TokenStore
+    from dflash.engine.training.objective import block_loss, position_weights, target_pass
+
+    model, _ = load(str(tiny))
+    cfg = draft_config_for(TargetModel(model, [0]), 1, 8, 3, num_capture=3)
+    target, draft = TargetModel(model, cfg.target_layer_ids), DFlashDraft(cfg)
+    rng = np.random.default_rng(0)
+    samples = [Sample("k", f"p{i}", list(rng.integers(5, 50, 6)), list(rng.integers(5, 50, 20))) for i in range(4)]
+    b = FixedBatches(TokenStore.from_samples(samples, 32), 4, 3, 8, 32, seed=0, rank=0, world=1).batch(0)
+    feats, rows = target_pass(target, b["tokens"], b["rows"])
+    args = (draft, target, position_weights(8), feats, b["anchor_ids"], b["anchors"], b["labels"], b["valid"])
+    ce_only = block_loss(*args)
+    with_kl = block_loss(*args, target_hidden=rows, kl_weight=0.5)
+    only_kl = block_loss(*args, target_hidden=rows, kl_weight=1.0)
+    assert math.isclose(ce_only[3].item(), with_kl[3].item(), rel_tol=1e-5)
+    assert math.isclose(with_kl[0].item(), 0.5 * with_kl[3].item() + 0.5 * with_kl[4].item(), rel_tol=1e-5)
+    assert only_kl[4].item() >= 0 and math.isclose(only_kl[0].item(), only_kl[4].item(), rel_tol=1e-6)

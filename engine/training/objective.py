@@ -120,17 +120,19 @@ def block_loss(
     logits = _head(target, h)
     w = valid.astype(mx.float32) * weights_k
     denom = mx.maximum(w.sum(), 1.0)
-    ce = (nn.losses.cross_entropy(logits, labels, reduction="none") * w).sum() / denom
     kl = mx.array(0.0)
-    loss = ce
     if kl_weight > 0:
         if target_hidden is None:
             raise ValueError("kl_weight > 0 needs the target's hidden states at the block rows")
+        d_logp = nn.log_softmax(logits, axis=-1)  # once, for both terms
+        ce = (-mx.take_along_axis(d_logp, labels[..., None], axis=-1)[..., 0] * w).sum() / denom
         t_logp = nn.log_softmax(_head(target, mx.stop_gradient(target_hidden)), axis=-1)
-        d_logp = nn.log_softmax(logits, axis=-1)
         kl_pos = (mx.exp(t_logp) * (t_logp - d_logp)).sum(-1)
         kl = (kl_pos * w).sum() / denom
         loss = (1.0 - kl_weight) * ce + kl_weight * kl
+    else:
+        ce = (nn.losses.cross_entropy(logits, labels, reduction="none") * w).sum() / denom
+        loss = ce
     correct = (mx.argmax(logits, axis=-1) == labels) & valid
     acc1 = correct[..., 0].sum() / mx.maximum(valid[..., 0].sum(), 1)
     accepted = mx.cumprod(correct.astype(mx.float32), axis=-1).sum(-1)  # [S, A]
