@@ -169,7 +169,7 @@ def stream_dflash_generate(
     if keys is None:
         anchor = mx.argmax(logits[0, -1]).astype(mx.int32)
     else:
-        anchor = sampling_mod.draw_scaled(sampling_mod.scaled_logits(logits[0, -1], params), keys.next())
+        anchor = sampling_mod.sample(logits[0, -1], params, keys.next())
     first = anchor.item()
     t_first = time.perf_counter()
     stats.ttft_s = t_first - t_start

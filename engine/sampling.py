@@ -127,6 +127,11 @@ def draw_scaled(x: mx.array, key: mx.array) -> mx.array:
     return mx.random.categorical(x, axis=-1, key=key).astype(mx.int32)
 
 
+def sample(logits: mx.array, params: SamplingParams, key: mx.array) -> mx.array:
+    """One token id per row, drawn as mlx-lm's sampler draws it (a first token, a plain step)."""
+    return draw_scaled(scaled_logits(logits, params), key)
+
+
 def residual(p: mx.array, q: mx.array) -> mx.array:
     """normalise(max(0, p - q)): where a rejection's token comes from (p itself if p <= q)."""
     r = mx.maximum(p - q, 0.0)

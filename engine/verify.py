@@ -60,7 +60,7 @@ def verify(
         tokens = mx.argmax(logits[0], axis=-1).astype(mx.int32)
         accepted = greedy_accept(drafts, tokens)
     elif drafts.shape[0] == 0:  # a plain step: one draw from p, nothing to accept
-        tokens = sampling_mod.draw_scaled(sampling_mod.scaled_logits(logits[0], sampling), key)
+        tokens = sampling_mod.sample(logits[0], sampling, key)
         accepted = mx.zeros((), mx.int32)
     else:
         p = sampling_mod.probs(logits[0], sampling)

@@ -367,10 +367,12 @@ def generate_responses(
     """
     done = load_samples(out_file)
     have = {(s.kind, s.prompt) for s in done}
-    todo = [(k, p, sp, chat_ids(tokenizer, p)) for (k, p), sp in zip(prompts, splits) if (k, p) not in have]
+    # (sampled?, kind, prompt, split, ids): greedy ones first, each kind sorted by length
+    todo = sorted(((is_sampled(p, sampled_share), k, p, sp, chat_ids(tokenizer, p))
+                   for (k, p), sp in zip(prompts, splits) if (k, p) not in have),
+                  key=lambda t: (t[0], len(t[4])))
     if not todo:
         return done
-    todo.sort(key=lambda t: (is_sampled(t[1], sampled_share), len(t[3])))
     eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
     fast = _fast_batch_ok(model)
     if not fast and sampled_share > 0:
@@ -379,13 +381,13 @@ def generate_responses(
     out_file.parent.mkdir(parents=True, exist_ok=True)
     with out_file.open("a") as f:
         start = 0
-        while start < len(todo):  # batches of one kind (greedy or sampled): sorted, so one switch
-            sampled = is_sampled(todo[start][1], sampled_share)
+        while start < len(todo):  # batches of one kind: greedy, or sampled at `temperature`
+            sampled = todo[start][0]
             stop = start + 1
-            while stop < min(start + batch_size, len(todo)) and is_sampled(todo[stop][1], sampled_share) == sampled:
+            while stop < min(start + batch_size, len(todo)) and todo[stop][0] == sampled:
                 stop += 1
             chunk = todo[start:stop]
-            ids = [t[3] for t in chunk]
+            ids = [t[4] for t in chunk]
             temp = temperature if sampled else 0.0
             if sampled:
                 mx.random.seed(seed + start)  # the same draws when a run is repeated
@@ -393,7 +395,7 @@ def generate_responses(
                 resps = batch_generate(model, ids, max_new_tokens, eos, temperature=temp)
             else:
                 resps = _batch_generate_mlx_lm(model, ids, max_new_tokens, eos)
-            for (kind, prompt, split, pid), resp in zip(chunk, resps):
+            for (_, kind, prompt, split, pid), resp in zip(chunk, resps):
                 s = Sample(kind, prompt, pid, resp, split, temp)
                 done.append(s)
                 n_tok += len(resp)
