@@ -158,6 +158,7 @@ class Worker:
         sock = paths.ipc_path(self.endpoint)
         if sock is not None:
             sock.unlink(missing_ok=True)
+        log.info("stopped")
         return 0
 
     def _recover(self) -> None:

@@ -24,7 +24,7 @@ import pytest
 from daemon_fixtures import PROMPTS, make_daemon, reference, tiny_pair, wait_until  # noqa: F401
 
 from dflash.client import DFlashClient, NotFoundError, WorkerGoneError
-from dflash.daemon import paths
+from dflash.daemon import lifeline, paths
 from dflash.daemon.queue import Job
 from dflash.daemon.store import JobStore
 
@@ -34,6 +34,17 @@ def _gone(pid: int) -> bool:
     """No such process, or only its zombie (whoever adopted it may not reap it at once)."""
     out = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
     return not out or out.startswith("Z")
+
+
+def _ps(*pids: int) -> str:
+    """What ps says of these processes (state, threads' wait channel), for a failure message."""
+    return subprocess.run(["ps", "-o", "pid,stat,wchan:24,etime,args", "-p", ",".join(map(str, pids))],
+                          capture_output=True, text=True).stdout
+
+
+def _log_tail(cli, chars: int = 4000) -> str:
+    logs = sorted((cli.dir / "state").rglob("*.log"))
+    return "".join(p.read_text(errors="replace")[-chars:] for p in logs)
 
 
 @pytest.fixture
@@ -86,7 +97,11 @@ def test_supervisor_kill9_takes_its_children_along(cli):
     cli.pids = [worker, cache]
 
     os.kill(sup, signal.SIGKILL)
-    wait_until(lambda: _gone(worker) and _gone(cache), 10, "the worker and the cache process to end with the supervisor")
+    try:  # each stops as SIGTERM stops it, or exits hard after the lifeline's grace
+        wait_until(lambda: _gone(worker) and _gone(cache), lifeline.GRACE_S + 10,
+                   "the worker and the cache process to end with the supervisor")
+    except AssertionError:
+        raise AssertionError(f"still running after the supervisor died: {_ps(worker, cache)}\n{_log_tail(cli)}") from None
     st = cli("status")
     assert st.returncode == 3 and "not running" in st.stdout
     assert cli.status()["supervisor_pid"] is None
