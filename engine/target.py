@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from . import tape
+from . import rowpad, tape
 
 _CAPTURE_CLASSES: dict[type, type] = {}
 
@@ -82,6 +82,8 @@ class TargetModel:
                 layer.__class__ = _capturing_class(type(layer))
             layer.__dict__["_dflash_sink"] = None
         tape.install(self.layers)
+        # one-row products done as two rows where that is faster (CPU + MKL; rowpad.py)
+        self.row_padding = rowpad.pays(model) and rowpad.pad_single_rows(model) > 0
 
     # --- shared pieces the draft borrows -------------------------------------------------
     def embed(self, ids: mx.array) -> mx.array:
@@ -94,10 +96,11 @@ class TargetModel:
 
     def lm_head(self, h: mx.array) -> mx.array:
         """The target's LM head (or tied embedding), with logit soft-capping if it has one."""
-        if "lm_head" in self.outer:
-            logits = self.outer.lm_head(h)
-        else:
-            logits = self.inner.embed_tokens.as_linear(h)
+        with rowpad.active():
+            if "lm_head" in self.outer:
+                logits = self.outer.lm_head(h)
+            else:
+                logits = self.inner.embed_tokens.as_linear(h)
         cap = getattr(self.args, "final_logit_softcapping", None)
         if cap:
             logits = mx.tanh(logits / cap) * cap
@@ -115,9 +118,10 @@ class TargetModel:
         `last_only` (prefill): logits of the last position only, [1, 1, V]; the LM head over a
         whole prompt chunk is most of a small model's prefill and only its last row is used.
         """
-        if last_only:
-            return self.capture(lambda: self.lm_head(self.inner(tokens, cache=cache)[:, -1:]))
-        return self.capture(lambda: self.model(tokens, cache=cache))
+        with rowpad.active():
+            if last_only:
+                return self.capture(lambda: self.lm_head(self.inner(tokens, cache=cache)[:, -1:]))
+            return self.capture(lambda: self.model(tokens, cache=cache))
 
     def capture(self, run: Callable[[], mx.array]) -> tuple[mx.array, mx.array]:
         """(run(), the captured layers' outputs concatenated [.., L, K*D]) for a pass of the model
