@@ -5,8 +5,10 @@ good or when a wide verify costs about as much as one decode step (GPUs: M=16 co
 On a CPU a 16-token verify costs ~2.4 steps, so a draft accepted only half the time is better
 verified a few tokens at a time. "auto" picks the window k that maximises expected tokens per unit
 of time: with per-token acceptance p (geometric, estimated from recent cycles) a window of k emits
-E(k) = 1 + p + ... + p^(k-1) tokens, and costs 1 + d + c*(k-1) decode steps (c: each extra
-verified token, a per-backend constant; d: the draft pass and the cycle's overhead).
+E(k) = 1 + p + ... + p^(k-1) tokens, and costs v(k) + d decode steps (v(k): a k-token verify
+in decode steps, a per-backend prior; d: the draft pass and the cycle's overhead). On a GPU v is
+close to linear, 1 + c*(k-1). On the CPU it is not: with one-row products padded (rowpad.py) a
+2-token verify costs what a plain step does, 3 and 4 tokens cost 1.5 and 1.7 steps, 16 cost 3.
 
 d depends on the pair (a 5-layer draft with a 49K-vocabulary head is a large share of a 135M
 target, a small one of an 8B), so it is measured while generating: now and then a cycle runs
@@ -27,7 +29,7 @@ of being averaged with it, so a draft that does not pay is found out within a fe
 
 Copy drafting (engine/lookup.py) offers a second proposal when the text's last tokens occurred
 before: the tokens that followed them. It needs no draft pass, so a copy window k costs
-1 + o + c*(k-1) steps (o: the cycle's overhead, measured like d, small), and it is expected to
+v(k) + o steps (o: the cycle's overhead, measured like d, small), and it is expected to
 emit 1 + p' + ... + p'^(k-1) tokens, p' the running acceptance of copies raised for longer
 matches (p' = p ** (min_ngram / n) for an n-token match: a longer match is likelier to go on,
 and a long match gets tried again after copies failed). `plan` verifies the copy when its best
@@ -47,17 +49,42 @@ import mlx.core as mx
 
 from .lookup import CopyAcceptance
 
-# Priors (c, d) per backend, in units of one decode step: c measured on SmolLM2-135M fp32 + MKL
-# (CPU, M=16 / M=1 = 2.4) and on an 8B shape in bf16 (H200, M=16 / M=1 = 1.4-1.55); d is a start
-# value that measurement replaces.
-DEFAULT_COSTS = {"cpu": (0.09, 0.2), "gpu": (0.035, 0.3)}
+# Verify cost priors per backend, in decode steps. CPU: a k-token forward of SmolLM2-135M fp32 +
+# MKL on a 2-core VM at a 300-token cache, one-row products padded (medians of 3 x 5, session 6:
+# 49.1, 48.4, 72.4, 84.3, 95.6, 98.2, 103.8, 125.2, 145.5 ms; 2 tokens taken as 1.0), interpolated
+# between these points.
+# GPU: linear, c = 0.035 a token (an 8B shape in bf16 on the H200: M=16 / M=1 = 1.4-1.55).
+# d is a start value that measurement replaces.
+CPU_VERIFY_COST = {1: 1.0, 2: 1.0, 3: 1.47, 4: 1.72, 5: 1.95, 6: 2.0, 8: 2.11, 12: 2.55, 16: 2.96}
+DEFAULT_COSTS = {"cpu": (CPU_VERIFY_COST, 0.2), "gpu": (0.035, 0.3)}
 COPY_OVERHEAD = 0.05  # o's prior: a copy cycle has no draft pass, only a host-side lookup
 
 
-def rate(p: float, k: int, overhead: float, c: float) -> float:
-    """Expected tokens per decode-step time of a window k at per-token acceptance p."""
+def rate(p: float, k: int, overhead: float, verify_cost: float) -> float:
+    """Expected tokens per decode-step time of a window k at per-token acceptance p, when its
+    verify costs `verify_cost` decode steps and the cycle `overhead` more."""
     p = min(p, 0.999)
-    return (1.0 - p**k) / (1.0 - p) / (1.0 + overhead + c * (k - 1))
+    return (1.0 - p**k) / (1.0 - p) / (verify_cost + overhead)
+
+
+def verify_costs(prior: float | dict[int, float], block_size: int) -> list[float]:
+    """v(k) for k = 0..block_size (index k; v(0) unused): 1 + prior*(k-1) for a linear prior,
+    else the table interpolated linearly (and extended past its last point by its last slope)."""
+    if not isinstance(prior, dict):
+        return [1.0 + prior * (k - 1) for k in range(block_size + 1)]
+    pts = sorted(prior.items())
+    out = [1.0]
+    for k in range(1, block_size + 1):
+        lo = max((p for p in pts if p[0] <= k), default=pts[0])
+        hi = min((p for p in pts if p[0] >= k), default=None)
+        if hi is None:  # beyond the table: its last slope
+            (k0, v0), (k1, v1) = pts[-2], pts[-1]
+            out.append(v1 + (v1 - v0) / (k1 - k0) * (k - k1))
+        elif hi[0] == lo[0]:
+            out.append(lo[1])
+        else:
+            out.append(lo[1] + (hi[1] - lo[1]) * (k - lo[0]) / (hi[0] - lo[0]))
+    return out
 
 
 class VerifyWindow:
@@ -91,7 +118,8 @@ class VerifyWindow:
         self._probe_gap = probe_every
         self.remeasure_every = remeasure_every
         self.successes, self.failures = 2.0, 0.5  # prior: p = 0.8, worth ~2.5 cycles
-        self.c, self.d = _costs()
+        prior, self.d = _costs()
+        self.v = verify_costs(prior, block_size)  # v[k]: a k-token verify, in decode steps
         self.step_s: float | None = None  # measured seconds of a plain step (recent median)
         self._steps: deque[float] = deque(maxlen=9)
         self._draft_cycles = 0  # observed draft cycles; the first one's time is not used
@@ -109,7 +137,7 @@ class VerifyWindow:
 
     def best(self) -> tuple[int, float]:
         """The window k >= 2 with the highest expected tokens per decode-step time, and that rate."""
-        return max(((k, rate(self.p, k, self.d, self.c)) for k in range(2, self.block_size + 1)),
+        return max(((k, rate(self.p, k, self.d, self.v[k])) for k in range(2, self.block_size + 1)),
                    key=lambda t: t[1])
 
     def next(self) -> int:
@@ -122,7 +150,7 @@ class VerifyWindow:
         if self.fixed is not None:
             if self.fixed == 1:
                 return 1, None
-            return self.fixed, rate(self.p, self.fixed, self.d, self.c)
+            return self.fixed, rate(self.p, self.fixed, self.d, self.v[self.fixed])
         k, best_rate = self._best
         if not self.allow_plain:
             return k, best_rate
@@ -146,13 +174,13 @@ class VerifyWindow:
         p = self.copy.p ** (1.0 / max(strength, 1.0))
         top = min(copy_len + 1, self.block_size)
         windows = [min(self.fixed, top)] if self.fixed is not None else range(2, top + 1)
-        k_copy, copy_rate = max(((j, rate(p, j, self.o, self.c)) for j in windows),
+        k_copy, copy_rate = max(((j, rate(p, j, self.o, self.v[j])) for j in windows),
                                 key=lambda t: t[1])
         return (k_copy, True) if copy_rate > to_beat else (k, False)
 
     def _overhead(self, seconds: float, window: int) -> float:
-        """A cycle's cost beyond its verify (1 + c*(k-1) steps), in plain steps, clipped to 0..8."""
-        return min(max(seconds / self.step_s - 1.0 - self.c * (window - 1), 0.0), 8.0)
+        """A cycle's cost beyond its verify (v(k) steps), in plain steps, clipped to 0..8."""
+        return min(max(seconds / self.step_s - self.v[window], 0.0), 8.0)
 
     def observe(self, window: int, accepted: int, seconds: float | None = None,
                 copied: bool = False) -> None:
@@ -190,7 +218,8 @@ class VerifyWindow:
             self._probe_gap = self.probe_every
 
 
-def _costs() -> tuple[float, float]:
+def _costs() -> tuple[float | dict[int, float], float]:
+    """(verify cost prior, d prior) for this backend; DFLASH_VERIFY_COST="c,d" sets a linear one."""
     env = os.environ.get("DFLASH_VERIFY_COST")
     if env:
         c, d = (float(x) for x in env.split(","))

@@ -199,7 +199,7 @@ def test_a_copy_beats_a_plain_step_when_drafting_does_not_pay() -> None:
     for _ in range(100):
         k, copying = w.plan(15, strength=8 / 3)
         kinds.append("copy" if copying else "plain" if k == 1 else "draft")
-        cost = 1 + w.c * (k - 1) + (0 if copying or k == 1 else 2)
+        cost = w.v[k] + (0 if copying or k == 1 else 2)
         w.observe(k, k - 1 if copying else 0, cost * STEP, copied=copying)
     assert kinds.count("copy") >= 95 and kinds[1] == "plain"  # the first step is still timed
     assert w.plan(15, strength=8 / 3) == (16, True) and w.plan(5, strength=8 / 3) == (6, True)
@@ -210,10 +210,11 @@ def test_failing_copies_stop_short_matches_but_long_ones_are_tried_again() -> No
     w = VerifyWindow(16, "auto")
     w.observe(1, 0, STEP)
     w.successes, w.failures, w._best = 0.0, 10.0, (2, 0.5)  # the model's draft does not pay
+    w._probe_gap = 10**6  # and no probe of it falls due in between
     for _ in range(12):
         k, copying = w.plan(15)
-        if copying:
-            w.observe(k, 0, (1 + w.c * (k - 1)) * STEP, copied=True)
+        if copying:  # each copy cycle reads its result before the next: not pipelined
+            w.observe(k, 0, (w.v[k] + 0.1) * STEP, copied=True)
     assert w.plan(15) == (1, False)  # a 3-token match: a plain step is better now
     assert w.plan(15, strength=8 / 3)[1]  # an 8-token match is still worth a short copy
 

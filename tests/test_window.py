@@ -55,7 +55,7 @@ def test_first_draft_cycle_time_is_not_used_and_the_first_measurement_replaces_t
     k = w.next()
     assert k > 1
     w.observe(k, 0, 4 * STEP)
-    assert w.d == pytest.approx(4 - 1 - w.c * (k - 1))  # replaced, not averaged with the prior
+    assert w.d == pytest.approx(4 - w.v[k])  # replaced, not averaged with the prior
 
 
 def test_step_time_is_a_median_an_unpipelined_step_does_not_skew_it() -> None:
@@ -139,3 +139,31 @@ def test_stats_estimate_the_speedup_from_timed_plain_steps(pairs) -> None:
         pair.tokenizer.eos_token_ids = saved
     assert auto.stats.plain_steps > 0 and 0.05 < auto.stats.est_speedup < 20
     assert full.stats.plain_steps == 0 and full.stats.est_speedup == 0.0
+
+
+def test_verify_costs_linear_or_interpolated_from_measured_widths() -> None:
+    from dflash.engine.window import CPU_VERIFY_COST, verify_costs
+
+    assert verify_costs(0.5, 4)[1:] == [1.0, 1.5, 2.0, 2.5]
+    v = verify_costs({1: 1.0, 2: 1.0, 4: 2.0, 8: 3.0}, 10)
+    assert v[1:5] == [1.0, 1.0, 1.5, 2.0] and v[6] == pytest.approx(2.5)
+    assert v[9] == pytest.approx(3.25) and v[10] == pytest.approx(3.5)  # past the table: last slope
+    cpu = verify_costs(CPU_VERIFY_COST, 16)
+    assert all(a <= b for a, b in zip(cpu[1:], cpu[2:]))  # a wider verify never costs less
+    assert cpu[2] == 1.0 and cpu[16] == CPU_VERIFY_COST[16]
+
+
+def test_a_two_token_copy_that_costs_a_plain_step_is_taken_unless_its_overhead_says_otherwise() -> None:
+    """CPU prior (2 tokens = 1 step): a copy at the prior is worth verifying; once its cycles are
+    measured slower than a plain step (the host read before each), a weak copy is not."""
+    w = VerifyWindow(16, "auto")
+    w.v = [1.0] * 3 + [w.v[k] for k in range(3, 17)]
+    w.observe(1, 0, STEP)
+    w.successes, w.failures, w._best = 0.0, 10.0, (2, 0.5)
+    w._probe_gap = 10**6
+    assert w.plan(15)[1]
+    for _ in range(30):
+        k, copying = w.plan(15)
+        if copying:
+            w.observe(k, 0, (w.v[k] + 0.2) * STEP, copied=True)
+    assert w.plan(15) == (1, False)
