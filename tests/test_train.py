@@ -404,3 +404,21 @@ def test_kl_branch_keeps_the_cross_entropy(tiny: Path):
     assert math.isclose(ce_only[3].item(), with_kl[3].item(), rel_tol=1e-5)
     assert math.isclose(with_kl[0].item(), 0.5 * with_kl[3].item() + 0.5 * with_kl[4].item(), rel_tol=1e-5)
     assert only_kl[4].item() >= 0 and math.isclose(only_kl[0].item(), only_kl[4].item(), rel_tol=1e-6)
+
+
+def test_early_anchor_frac_puts_that_share_at_the_answers_start():
+    from dflash.engine.training.data import FixedBatches, Sample, TokenStore
+
+    rng = np.random.default_rng(3)
+    samples = [Sample("k", f"p{i}", list(rng.integers(5, 50, 6)), list(rng.integers(5, 50, 200)))
+               for i in range(8)]
+    store = TokenStore.from_samples(samples, 256)
+    uniform = FixedBatches(store, 4, 40, 8, 256, seed=2).numpy_batch(0)
+    early = FixedBatches(store, 4, 40, 8, 256, seed=2, early_frac=0.25, early_window=16).numpy_batch(0)
+    start = 6  # the prompt's length: responses begin here
+    near = lambda a: (a >= start) & (a < start + 16)  # noqa: E731
+    assert (uniform["anchors"] >= start).all() and (early["anchors"] >= start).all()
+    assert near(early["anchors"][:, -10:]).all()  # the last 25% of each row: the answer's start
+    assert mx.array_equal(mx.array(early["anchors"][:, :-10]), mx.array(uniform["anchors"][:, :-10])).item()
+    assert near(early["anchors"]).mean() > near(uniform["anchors"]).mean() + 0.15
+    assert early["valid"].shape == uniform["valid"].shape

@@ -563,7 +563,9 @@ class FixedBatches:
     Sequences: epoch-wise permutations of the store (seeded by (seed, epoch)); global step s of a
     world of W ranks uses permutation slots [(s*W + rank)*S, +S), so the ranks' shards are disjoint
     and every sequence is seen once per epoch. Anchors: A per sequence, uniform inside the response
-    (seeded by (seed, step, rank)), with replacement when the response is short.
+    (seeded by (seed, step, rank)), with replacement when the response is short; with
+    `early_frac` > 0 that share of them is uniform inside the response's first `early_window`
+    tokens instead (where a chat answer starts, and what held-out and chat benchmarks measure).
 
     A batch: tokens [S, L] (padded after each sequence: the causal target's rows are unchanged),
     anchor_ids [S, A], anchors [S, A], labels / valid [S, A, B-1] (data tokens at anchor+1 ..
@@ -572,9 +574,12 @@ class FixedBatches:
     """
 
     def __init__(self, store: TokenStore, seqs: int, anchors: int, block_size: int, length: int,
-                 seed: int = 0, rank: int = 0, world: int = 1):
+                 seed: int = 0, rank: int = 0, world: int = 1, early_frac: float = 0.0,
+                 early_window: int = 128):
         self.store, self.S, self.A, self.B, self.L = store, seqs, anchors, block_size, length
         self.seed, self.rank, self.world = seed, rank, world
+        self.n_early = int(round(early_frac * anchors))  # anchors per sequence near the answer's start
+        self.early_window = early_window
         self._perm: dict[int, np.ndarray] = {}
 
     def _perm_of(self, epoch: int) -> np.ndarray:
@@ -603,6 +608,10 @@ class FixedBatches:
         # anchors in [prompt_len, len-2]: every anchor has at least one label
         span = np.maximum(lens - 1 - plens, 1).astype(np.float64)
         anchors = (plens[:, None] + np.floor(rng.random((S, A)) * span[:, None])).astype(np.int64)
+        if self.n_early:  # the last n_early columns: inside the first early_window response tokens
+            near = np.minimum(span, self.early_window)
+            e = self.n_early
+            anchors[:, A - e:] = plens[:, None] + np.floor(rng.random((S, e)) * near[:, None])
         from_misses = 0
         if misses is not None:
             from_misses = misses.place(idx, anchors, rng)

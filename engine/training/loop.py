@@ -133,6 +133,8 @@ class TrainOptions:
     gamma: float | None = None
     kl_weight: float = 0.0
     miss_anchor_frac: float = 0.0
+    early_anchor_frac: float = 0.0
+    early_anchor_window: int = 128
     seqs_per_batch: int = 16  # per rank
     anchors_per_seq: int = 64
     max_len: int = 640
@@ -342,7 +344,8 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
         step_fn = mx.compile(step_fn, inputs=state, outputs=state)
 
     batches = td.FixedBatches(store, opts.seqs_per_batch, opts.anchors_per_seq, cfg.block_size,
-                              seq_len, opts.seed, dist.rank, dist.size)
+                              seq_len, opts.seed, dist.rank, dist.size,
+                              opts.early_anchor_frac, opts.early_anchor_window)
     need_rows = kl_w > 0
     misses = td.MissMemory(opts.miss_anchor_frac) if opts.miss_anchor_frac > 0 else None
     pending: list[tuple[dict, mx.array]] = []  # (batch, accepted per block) for the miss memory
@@ -372,7 +375,8 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
     ema = (trainer or {}).get("running_loss")
     session = {"start_step": step, "world_size": dist.size, "device": str(mx.default_device()),
                "seqs_per_batch": opts.seqs_per_batch, "anchors_per_seq": opts.anchors_per_seq,
-               "kl_weight": kl_w, "miss_anchor_frac": opts.miss_anchor_frac, "compute_dtype": str(cdt).split(".")[-1]}
+               "kl_weight": kl_w, "miss_anchor_frac": opts.miss_anchor_frac,
+               "early_anchor_frac": opts.early_anchor_frac, "early_anchor_window": opts.early_anchor_window, "compute_dtype": str(cdt).split(".")[-1]}
     blocks_per_step = opts.seqs_per_batch * opts.anchors_per_seq * dist.size
     history: list[dict[str, Any]] = []
     log_file = (out / "train_log.jsonl").open("a") if dist.main else None
@@ -536,6 +540,8 @@ def _cli():
     @click.option("--gamma", default=None, type=float, help="Loss decay over block positions (default 7 for B=16).")
     @click.option("--kl-weight", default=0.0, show_default=True, type=click.FloatRange(0, 1), help="loss = (1-a) CE + a KL(target || draft).")
     @click.option("--miss-anchor-frac", default=0.0, show_default=True, type=click.FloatRange(0, 1), help="Share of anchors placed where the draft's next block would start after a miss (data.MissMemory).")
+    @click.option("--early-anchor-frac", default=0.0, show_default=True, type=click.FloatRange(0, 1), help="Share of anchors placed inside the first --early-anchor-window response tokens (where answers start; the rest stay uniform).")
+    @click.option("--early-anchor-window", default=128, show_default=True, type=click.IntRange(1), help="Response tokens counted as an answer's start for --early-anchor-frac.")
     @click.option("--seqs-per-batch", default=16, show_default=True, help="Sequences per step and rank.")
     @click.option("--anchors-per-seq", default=64, show_default=True, help="Blocks per sequence and step.")
     @click.option("--max-len", default=640, show_default=True, help="Sequences cut here; every batch is padded to min(this, longest rounded up to 32).")
