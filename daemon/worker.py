@@ -428,7 +428,7 @@ class Worker:
             "error": self.compute.load_error,
             "uptime_s": round(time.time() - self.started, 3),
             "endpoint": self.endpoint,
-            "accel": accel.describe(),
+            "accel": accel.describe() + _row_padding(self.compute.pair),
             "protocol": P.VERSION,
             "restarts": int(os.environ.get("DFLASH_WORKER_RESTARTS", "0")),
             "queued": self.jobs.queued_count(),
@@ -484,6 +484,13 @@ def _job_row(job: Job, jobs: JobQueue) -> dict[str, Any]:
         "stream": job.stream,
         "max_tokens": job.request.get("max_tokens"),
     }
+
+
+def _row_padding(pair: Any) -> str:
+    """The loaded target's one-row padding (engine/rowpad.py), for the status line."""
+    if pair is None:
+        return ""
+    return "; one-row products padded" if getattr(pair.target, "row_padding", False) else ""
 
 
 def main(argv: list[str] | None = None) -> int:

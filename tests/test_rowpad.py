@@ -83,3 +83,12 @@ def test_padded_target_decodes_mlx_lm_greedy_ids(tiny_dirs, monkeypatch, doubled
         final, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, 40, verify_window=window)
         assert final.token_ids == ref, f"{arch}: window {window} diverged from mlx-lm greedy"
     assert doubled, "no one-row product was padded"
+
+
+def test_the_workers_status_line_says_whether_rows_are_padded(tiny_dirs, monkeypatch):
+    from dflash.daemon.worker import _row_padding
+
+    assert _row_padding(None) == ""  # still loading
+    for forced, want in (("1", "; one-row products padded"), ("0", "")):
+        monkeypatch.setenv(rowpad.ENV, forced)
+        assert _row_padding(load_pair(tiny_dirs["qwen3"], tiny_dirs["qwen3"] / "draft")) == want
