@@ -4,10 +4,11 @@
 # (shared/device/mlx-cuda-prepare.sh with the SmolLM2 GGUF and a copy of its imported tokenizer files
 # as smoltok/: EXTRA=gguf==0.19.0, see scripts/h200_target.py). NGPU=2 (on nvidia-h200-x2): data
 # parallel over both GPUs through mlx.launch/NCCL (see scripts/train_smollm2_h200.sh).
-#   data [PROMPTS_GZ]   - generate the data cache in the background (prompts + responses; resumable);
-#                         PROMPTS_GZ: the campaign's derived prompts brought back by an earlier
-#                         `pack` (benchmark/training/campaign/derived_prompts.jsonl.gz): the same
-#                         prompts again, so only the (greedy, deterministic) responses are redone
+#   data [PROMPTS_GZ|- [FLAGS]] - generate the data cache in the background (prompts + responses;
+#                         resumable); PROMPTS_GZ: the campaign's derived prompts brought back by an
+#                         earlier `pack` (benchmark/training/campaign/derived_prompts.jsonl.gz): the
+#                         same prompts again, so only the (greedy, deterministic) responses are
+#                         redone; `-`: none. FLAGS go to train-draft (give `ab`/`start` the same ones)
 #   start BUDGET_S [CK] - a training session in the background: BUDGET_S of training after the
 #                         compile steps; CK = a checkpoint folder to --resume (e.g. the committed
 #                         benchmark/training/campaign/checkpoint); without CK: a new campaign
@@ -50,27 +51,31 @@ unpack_data() {  # staged data parts (see packdata) -> $TRAIN/data, once
 case "$1" in
   data)
     model; ns; unpack_data
-    if [ -n "${2:-}" ] && [ ! -f "$TRAIN/data/derived_prompts.jsonl" ]; then
+    if [ -n "${2:-}" ] && [ "$2" != "-" ] && [ ! -f "$TRAIN/data/derived_prompts.jsonl" ]; then
       mkdir -p "$TRAIN/data" && gunzip -c "$2" > "$TRAIN/data/derived_prompts.jsonl"
     fi
-    bg --data-only ;;
+    bg --data-only "${@:3}" ;;
   start)  # start BUDGET_S [CK [FLAGS]]: FLAGS go to train-draft (e.g. --gen-batch-size 2048)
     model; ns; unpack_data
     RESUME=""
     if [ -n "${3:-}" ]; then ck=$3; [ "${ck#/}" = "$ck" ] && ck=$PWD/$ck; RESUME="--resume $ck"; fi
     bg --time-budget-s "$2" $RESUME "${@:4}" ;;
-  ab)  # ab BUDGET_S CK KL_A KL_B [FLAGS]: two single-GPU arms at once (GPU 0: --kl-weight KL_A,
-       # GPU 1: KL_B), same data cache, same start and schedule; each evaluates on the held-out set.
+  ab)  # ab BUDGET_S CK ARM_A ARM_B [FLAGS]: two single-GPU arms at once (GPU 0 gets ARM_A's
+       # train-draft flags, GPU 1 ARM_B's; a plain number N means --kl-weight N), same data cache,
+       # same start and schedule, FLAGS to both; each evaluates on the held-out set. E.g.
+       # ab 150 CK "" "--miss-anchor-frac 0.5 --early-anchor-frac 0.3" --num-prompts 0 ...
        # CK: a checkpoint (has trainer.json: --resume, the campaign goes on) or a draft (--init-draft).
-       # DERIVE must not exceed the prompts the data step cached (else each arm derives more).
-    model; ns
+       # The data must be cached already (`data` with the same FLAGS and DERIVE), else each arm
+       # derives and generates its own.
+    model; ns; unpack_data
     ck=$3; [ "${ck#/}" = "$ck" ] && ck=$PWD/$ck
     START="--init-draft $ck"
     [ -f "$ck/trainer.json" ] && START="--resume $ck"
     for arm in 0 1; do
-      kl=$([ $arm = 0 ] && echo "$4" || echo "$5")
+      flags=$([ $arm = 0 ] && echo "$4" || echo "$5")
+      [[ "$flags" =~ ^[0-9.]+$ ]] && flags="--kl-weight $flags"
       CUDA_VISIBLE_DEVICES=$arm DATA=$TRAIN/data setsid nohup bash -c "bash scripts/train_smollm2_h200.sh \
-        $MODEL /tmp/arm$arm --time-budget-s $2 $START --kl-weight $kl ${*:6}; echo TRAIN_DONE" \
+        $MODEL /tmp/arm$arm --time-budget-s $2 $START $flags ${*:6}; echo TRAIN_DONE" \
         > /tmp/arm$arm.log 2>&1 < /dev/null &
     done
     sleep 20; tail -2 /tmp/arm0.log /tmp/arm1.log ;;

@@ -135,6 +135,12 @@ def test_train_tiny_draft_end_to_end(looping: Path, loop_data: Path, tmp_path: P
                          log=lambda s: None)
     assert trained["overall"]["acceptance"] > untrained["overall"]["acceptance"] + 0.3, (trained, untrained)
     assert trained["overall"]["tau"] > 3.0, trained
+    by_pos = trained["overall"]["by_position"]  # the same cycles, by where in the answer they start
+    assert by_pos[0]["from"] == 0 and all(b["cycles"] > 0 for b in by_pos)
+    n = sum(b["cycles"] for b in by_pos)
+    cycles, prompts = trained["overall"]["cycles"], trained["overall"]["prompts"]
+    assert cycles - prompts <= n < cycles  # each answer's last cycle (cut short) left out
+    assert abs(sum(b["cycles"] * b["tau"] for b in by_pos) / n - trained["overall"]["tau"]) < 0.5
     assert from_ckpt["overall"]["acceptance"] > untrained["overall"]["acceptance"] + 0.3, from_ckpt
 
 

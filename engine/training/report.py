@@ -20,20 +20,35 @@ def evaluate(
     overall and per prompt kind, decoding every prompt with the full 16-token verify.
 
     curve[k-1] = share of cycles whose first k drafts were all accepted (k = 1..B-1).
+    Overall also `by_position`: tau of the cycles that start in each 16-token stretch of the
+    answer (where in an answer the draft is weak); each answer's last cycle, cut short by EOS or
+    max_tokens, is left out of it.
     """
     from ..drafters import DFlashDrafter
-    from ..generate import Finished, stream_dflash_generate
+    from ..generate import Finished, TokenDelta, stream_dflash_generate
 
     drafter = DFlashDrafter(draft, target)
     sums: dict[str, dict[str, Any]] = {}
+    by_pos: dict[int, list[int]] = {}  # 16-token stretch -> [cycles, accepted drafts]
     for s in samples:
         final = None
-        for ev in stream_dflash_generate(
+        pos, last = 0, None  # answer tokens before `last`, the latest cycle's delta
+        for i, ev in enumerate(stream_dflash_generate(
             target, drafter, tokenizer, s.prompt_ids, max_tokens, verify_window="full",
             copy_draft=False,
-        ):
+        )):
             if isinstance(ev, Finished):
                 final = ev
+            elif isinstance(ev, TokenDelta) and ev.token_ids:  # one per cycle: no stop strings
+                if last is not None:  # a whole cycle: the next one came
+                    b = by_pos.setdefault(pos // 16, [0, 0])
+                    b[0] += 1
+                    b[1] += sum(last.from_draft)
+                    pos += len(last.token_ids)
+                elif i == 0:  # the first token, from the prefill: not a cycle
+                    pos = len(ev.token_ids)
+                    continue
+                last = ev
         st = final.stats
         for key in (s.kind, "overall"):
             acc = sums.setdefault(key, {"n": 0, "gen": 0, "acc": 0, "cyc": 0, "hist": None})
@@ -50,12 +65,18 @@ def evaluate(
         curve = [sum(hist[j:]) / cycles for j in range(1, len(hist))]
         report[k] = {"prompts": v["n"], "generated_tokens": v["gen"],
                      "acceptance": v["acc"] / max(v["gen"], 1),
-                     "tau": (v["acc"] + v["cyc"]) / max(v["cyc"], 1),
+                     "tau": (v["acc"] + v["cyc"]) / max(v["cyc"], 1), "cycles": v["cyc"],
                      "accept_curve": [round(c, 4) for c in curve]}
+    if "overall" in report:
+        report["overall"]["by_position"] = [
+            {"from": 16 * i, "cycles": c, "tau": round(1 + a / c, 3)} for i, (c, a) in sorted(by_pos.items())]
     for k, r in sorted(report.items()):
         head = " ".join(f"{c:.2f}" for c in r["accept_curve"][:8])
         log(f"[eval] {k:8s} {r['prompts']:3d} prompts | acceptance {r['acceptance']:.1%} | "
             f"tau {r['tau']:.2f} tokens/cycle | P(accept >= k), k=1..: {head}")
+    if report.get("overall", {}).get("by_position"):
+        log("[eval] tau by answer position: " + ", ".join(
+            f"{b['from']}+: {b['tau']:.2f}" for b in report["overall"]["by_position"]))
     return report
 
 
