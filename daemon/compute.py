@@ -35,6 +35,8 @@ class Compute:
         self.pair: Any = None
         self.prefix_cache: Any = None  # dflash.cache.tiers.PrefixCache when cfg.cache
         self.vocab_size = 0
+        # what earlier jobs' verify windows measured, greedy and sampled apart (engine/window.py)
+        self.window_memory: dict[bool, Any] = {}
         self.counters = {"jobs_done": 0, "jobs_failed": 0, "jobs_cancelled": 0, "tokens_generated": 0}
 
     # ------------------------------------------------------------------ thread body
@@ -127,6 +129,7 @@ class Compute:
             should_cancel=should_cancel,
             prefix_cache=caching.for_policy(self.prefix_cache, policy),
             verify_window=self.cfg.verify_window,
+            window_memory=self._window_memory(not sampling.get("temperature")),
             **sampling,
             **sparse,
         ):
@@ -146,6 +149,13 @@ class Compute:
         self.counters["tokens_generated"] += len(final.token_ids)
         done = P.Done(job_id=job.job_id, text=final.text, token_ids=final.token_ids, stats=stats, finish_reason=reason)
         return done, ("cancelled" if reason == "cancelled" else "done")
+
+    def _window_memory(self, greedy: bool) -> Any:
+        """One WindowMemory per decoding kind for the loaded pair: a job starts from what the
+        earlier ones measured instead of exploring again (a short answer pays for that most)."""
+        from dflash.engine.window import WindowMemory
+
+        return self.window_memory.setdefault(greedy, WindowMemory())
 
     def _prompt_ids(self, req: dict) -> list[int]:
         from dflash.engine.prompting import build_prompt

@@ -28,7 +28,7 @@ from .prefix import PrefixSession
 from .sampling import DraftSampling, KeyChain, SamplingParams
 from .target import TargetModel
 from .verify import Verified, verify
-from .window import VerifyWindow
+from .window import VerifyWindow, WindowMemory
 
 
 @dataclass
@@ -98,6 +98,7 @@ def stream_dflash_generate(
     top_k: int = 0,
     seed: int | None = None,
     copy_draft: bool = True,
+    window_memory: WindowMemory | None = None,
 ) -> Iterator[TokenDelta | Finished]:
     """DFlash generation. Yields TokenDelta events, then one Finished with the stats.
 
@@ -118,6 +119,9 @@ def stream_dflash_generate(
 
     prefix_cache (e.g. dflash.cache.tiers.PrefixCache; not used with sparse prefill): resume
     from the longest stored prefix of the prompt and store snapshots of this prompt's prefill.
+
+    window_memory: the same object for every generation of this pair (the daemon keeps one):
+    the "auto" window starts from what the earlier ones measured and leaves its own there.
     """
     params = SamplingParams(temperature, top_p, top_k, seed)
     keys = None if params.greedy else KeyChain(params.seed)  # None: greedy, no randomness
@@ -155,7 +159,8 @@ def stream_dflash_generate(
             stats.warnings.append(warning)
     rollback.check_supported(caches, target.layers)
     record_tape = rollback.needs_tape(caches)
-    window = VerifyWindow(drafter.block_size, verify_window, rollback.plain_step_undoable(caches))
+    window = VerifyWindow(drafter.block_size, verify_window, rollback.plain_step_undoable(caches),
+                          memory=window_memory)
     drafter.reset(positioned=positions is not None)
 
     session = None
@@ -282,6 +287,8 @@ def stream_dflash_generate(
     finally:
         if inflight is not None:  # queued but never used: undo it entirely
             rollback.rewind(caches, target.layers, 0, inflight.block_len, inflight.tape)
+        if window_memory is not None:
+            window.remember(window_memory)
     t_end = time.perf_counter()
     stats.generated_tokens = len(out.ids)
     stats.acceptance = stats.accepted_drafts / max(stats.generated_tokens, 1)

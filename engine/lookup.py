@@ -103,11 +103,13 @@ class CopyAcceptance:
     def __init__(self, decay: float = 0.9):
         self.decay = decay
         self.successes, self.failures = 1.0, 1.0
+        self.observed = 0  # copy cycles seen
 
     @property
     def p(self) -> float:
         return self.successes / (self.successes + self.failures)
 
     def observe(self, proposed: int, accepted: int) -> None:
+        self.observed += 1
         self.successes = self.successes * self.decay + accepted
         self.failures = self.failures * self.decay + (1 if accepted < proposed else 0)

@@ -21,6 +21,12 @@ A probe verifies `probe_window` tokens (one draft): the draft pass still runs wh
 head and the verify are at their cheapest, so a probe costs about one plain step more.
 The output never depends on any of this: only the speed does.
 
+A long-lived caller (the daemon's worker) hands the same `WindowMemory` to every generation of a
+pair: what one generation measured (d, o, the acceptance of drafts and copies) becomes the next
+one's prior, so a short answer does not pay the first cycles' exploration each time (a draft
+that does not pay is not tried at p = 0.8 again). Acceptance depends on the text, so it carries
+the weight of a few cycles only; the plain step is timed afresh (it depends on the context).
+
 Measurement hygiene (what keeps "auto" at acceptance ~0 close to plain decoding): a step's time is
 the median of the last few plain steps (the first one after a draft cycle is not pipelined and
 would inflate an average); the first draft cycle's time is not used (it also projects the whole
@@ -44,6 +50,7 @@ from __future__ import annotations
 import os
 import statistics
 from collections import deque
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -87,6 +94,19 @@ def verify_costs(prior: float | dict[int, float], block_size: int) -> list[float
     return out
 
 
+PRIOR_WEIGHT = 2.5  # cycles' worth of a remembered acceptance (as much as the built-in prior)
+
+
+@dataclass
+class WindowMemory:
+    """What earlier generations of one pair measured (None: not yet), for the next one's priors."""
+
+    d: float | None = None  # a draft cycle's overhead, in plain steps
+    o: float | None = None  # a copy cycle's overhead
+    p: float | None = None  # per-token acceptance of the model's draft
+    copy_p: float | None = None  # per-token acceptance of copies
+
+
 class VerifyWindow:
     """Chooses the verify window each cycle; `fixed` pins it (tests, the published method).
 
@@ -96,7 +116,8 @@ class VerifyWindow:
 
     def __init__(self, block_size: int, policy: str | int = "auto", allow_plain: bool = True,
                  decay: float = 0.9, probe_every: int = 8, max_probe_gap: int = 128,
-                 remeasure_every: int = 64, probe_window: int = 2):
+                 remeasure_every: int = 64, probe_window: int = 2,
+                 memory: WindowMemory | None = None):
         self.block_size = block_size
         self.probe_window = probe_window
         self.allow_plain = allow_plain
@@ -130,10 +151,36 @@ class VerifyWindow:
         self._best = self.best()  # changes only when a draft cycle is observed
         self.copy = CopyAcceptance()  # per-token acceptance of copy proposals
         self.o = COPY_OVERHEAD  # a copy cycle's overhead beyond its verify, in plain steps
+        if memory is not None and self.fixed is None:
+            self._recall(memory)
 
     @property
     def p(self) -> float:
         return self.successes / (self.successes + self.failures)
+
+    def _recall(self, m: WindowMemory) -> None:
+        """Priors from earlier generations of this pair (see WindowMemory)."""
+        if m.d is not None:
+            self.d, self._d_measured = m.d, True  # measured: later cycles average with it
+        if m.o is not None:
+            self.o = m.o
+        if m.p is not None:
+            self.successes, self.failures = m.p * PRIOR_WEIGHT, (1.0 - m.p) * PRIOR_WEIGHT
+        if m.copy_p is not None:
+            w = self.copy.successes + self.copy.failures
+            self.copy.successes, self.copy.failures = m.copy_p * w, (1.0 - m.copy_p) * w
+        self._best = self.best()
+
+    def remember(self, m: WindowMemory) -> None:
+        """Hand what this generation measured to the next one (auto windows only)."""
+        if self.fixed is not None:
+            return
+        if self._d_measured:
+            m.d = self.d
+        if self._draft_cycles:
+            m.p = self.p
+        if self.copy.observed:
+            m.copy_p, m.o = self.copy.p, self.o
 
     def best(self) -> tuple[int, float]:
         """The window k >= 2 with the highest expected tokens per decode-step time, and that rate."""

@@ -204,3 +204,14 @@ def test_cli_ctrl_c_cancels_the_job(daemon, client):
             proc.kill()
     _wait_idle(client, timeout=5)
     assert client.stats()["jobs_cancelled"] == before + 1
+
+
+def test_a_job_starts_from_what_the_earlier_jobs_window_measured(make_daemon, tiny_pair):  # noqa: F811
+    """The worker keeps one WindowMemory per pair: its random draft (acceptance ~0) is tried at the
+    built-in prior by the first job only; the same request again drafts less, same ids."""
+    d = make_daemon()
+    with d.client(timeout=30) as c:
+        runs = [c.generate(PROMPTS[1], max_tokens=40) for _ in range(2)]
+    assert runs[0].token_ids == runs[1].token_ids == reference(tiny_pair, PROMPTS[1], 40)[1]
+    drafted = [r.stats["cycles"] - r.stats["plain_steps"] - r.stats["copy_cycles"] for r in runs]
+    assert drafted[1] < drafted[0], [r.stats for r in runs]

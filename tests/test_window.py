@@ -167,3 +167,42 @@ def test_a_two_token_copy_that_costs_a_plain_step_is_taken_unless_its_overhead_s
         if copying:
             w.observe(k, 0, (w.v[k] + 0.2) * STEP, copied=True)
     assert w.plan(15) == (1, False)
+
+
+def test_a_remembered_window_starts_where_the_last_generation_ended() -> None:
+    from dflash.engine.window import WindowMemory
+
+    mem = WindowMemory()
+    first = VerifyWindow(16, "auto", memory=mem)
+    assert first.next() > 1  # no memory: the built-in prior (p = 0.8) drafts at once
+    ks = _run(first, 40, lambda k: 0, draft_cost=2.5)
+    first.remember(mem)
+    assert mem.p is not None and mem.p < 0.5 and mem.d is not None and mem.d > 0.5
+    again = VerifyWindow(16, "auto", memory=mem)
+    assert again.next() == 1 and again.d == mem.d  # drafting did not pay: plain steps first
+    ks2 = _run(again, 40, lambda k: 0, draft_cost=2.5)
+    assert sum(k > 1 for k in ks2) < sum(k > 1 for k in ks)
+    good = WindowMemory(p=0.95, d=0.3)
+    assert VerifyWindow(16, "auto", memory=good).next() == 16  # a good draft: whole blocks at once
+    fixed = VerifyWindow(16, 4, memory=mem)
+    assert fixed.next() == 4
+    fixed.remember(before := WindowMemory())
+    assert before == WindowMemory()  # a pinned window measures nothing to hand on
+
+
+def test_generations_sharing_a_memory_explore_less_and_stay_lossless(pairs) -> None:
+    from dflash.engine.window import WindowMemory
+
+    pair = pairs("qwen3")  # its random 1-layer draft: acceptance ~0
+    ids = pair.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
+    ref = greedy_reference(pair.target.model, ids, 48)
+    saved, pair.tokenizer.eos_token_ids = pair.tokenizer.eos_token_ids, set()
+    try:
+        mem = WindowMemory()
+        runs = [run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, 48, window_memory=mem,
+                           copy_draft=False)[0] for _ in range(2)]
+    finally:
+        pair.tokenizer.eos_token_ids = saved
+    assert all(r.token_ids == ref for r in runs)
+    drafts = [r.stats.cycles - r.stats.plain_steps for r in runs]
+    assert mem.p is not None and drafts[1] < drafts[0], drafts
