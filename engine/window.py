@@ -2,7 +2,7 @@
 
 The draft always proposes a whole block in one pass; verifying all of it is right when the draft is
 good or when a wide verify costs about as much as one decode step (GPUs: M=16 costs ~1.5 steps).
-On a CPU a 16-token verify costs ~2.4 steps, so a draft accepted only half the time is better
+On a CPU a 16-token verify costs ~3 steps, so a draft accepted only half the time is better
 verified a few tokens at a time. "auto" picks the window k that maximises expected tokens per unit
 of time: with per-token acceptance p (geometric, estimated from recent cycles) a window of k emits
 E(k) = 1 + p + ... + p^(k-1) tokens, and costs v(k) + d decode steps (v(k): a k-token verify
