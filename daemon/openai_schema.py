@@ -117,26 +117,11 @@ def check_json(body: Any) -> None:
     """Refuse what JSON can spell but the daemon cannot take: strings that are not Unicode (a lone
     surrogate escape such as "\\ud800" has no UTF-8 form) and nesting deeper than MAX_DEPTH.
     Iterative, so no body can make it recurse."""
-    stack: list[tuple[Any, int, str]] = [(body, 0, "")]
-    while stack:
-        v, depth, path = stack.pop()
+    for v, depth, path in P.walk(body):
         if isinstance(v, str):
             _unicode(v, path)
-        elif isinstance(v, (dict, list)):
-            if depth > MAX_DEPTH:
-                raise bad(f"the JSON body nests deeper than {MAX_DEPTH} levels", None, "invalid_json")
-            for k, x in (v.items() if isinstance(v, dict) else enumerate(v)):
-                if isinstance(k, str):
-                    _unicode(k, path)
-                if isinstance(x, (str, dict, list)):
-                    stack.append((x, depth + 1, _child(path, k)))
-
-
-def _child(path: str, key: str | int) -> str:
-    """The param name of a nested field: messages[0].content."""
-    if isinstance(key, int):
-        return f"{path}[{key}]"
-    return f"{path}.{key}" if path else key
+        elif depth > MAX_DEPTH:
+            raise bad(f"the JSON body nests deeper than {MAX_DEPTH} levels", None, "invalid_json")
 
 
 def _unicode(s: str, path: str) -> None:

@@ -21,7 +21,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar, Iterator, Union
 
 VERSION = 2
 # Older versions whose error replies share this version's layout: an error answering a request of
@@ -433,17 +433,32 @@ def _matches(value: Any, tp: Any) -> bool:
     return False
 
 
-def _too_deep(value: Any, limit: int = MAX_NESTING) -> bool:
-    """Whether lists/maps nest deeper than `limit` (iterative: a deep value must not recurse here)."""
-    stack = [(value, 0)]
+def walk(value: Any) -> Iterator[tuple[Any, int, str]]:
+    """Every list, map and string inside `value` (itself included), with its depth (0: value) and
+    its path ("messages[0].content"; "" for value); a map's keys come as strings at the map's own
+    path, one level down. Iterative: a deep value must not recurse here. Other types are skipped."""
+    stack: list[tuple[Any, int, str]] = [(value, 0, "")]
     while stack:
-        v, depth = stack.pop()
+        v, depth, path = stack.pop()
+        yield v, depth, path
         if isinstance(v, (dict, list)):
-            if depth >= limit:
-                return True
-            items = v.values() if isinstance(v, dict) else v
-            stack.extend((x, depth + 1) for x in items if isinstance(x, (dict, list)))
-    return False
+            for k, x in (v.items() if isinstance(v, dict) else enumerate(v)):
+                if isinstance(k, str):
+                    yield k, depth + 1, path
+                if isinstance(x, (str, dict, list)):
+                    stack.append((x, depth + 1, _child(path, k)))
+
+
+def _child(path: str, key: Any) -> str:
+    """The path of a nested field: messages[0].content."""
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else str(key)
+
+
+def _too_deep(value: Any, limit: int = MAX_NESTING) -> bool:
+    """Whether lists/maps nest deeper than `limit`."""
+    return any(d >= limit for v, d, _ in walk(value) if isinstance(v, (dict, list)))
 
 
 def _may_nest(tp: Any) -> bool:
