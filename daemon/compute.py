@@ -129,7 +129,7 @@ class Compute:
             should_cancel=should_cancel,
             prefix_cache=caching.for_policy(self.prefix_cache, policy),
             verify_window=self.cfg.verify_window,
-            window_memory=self._window_memory(not sampling.get("temperature")),
+            window_memory=self._window_memory(SamplingParams(**sampling).greedy),
             **sampling,
             **sparse,
         ):

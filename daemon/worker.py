@@ -490,7 +490,7 @@ def _row_padding(pair: Any) -> str:
     """The loaded target's one-row padding (engine/rowpad.py), for the status line."""
     if pair is None:
         return ""
-    return "; one-row products padded" if getattr(pair.target, "row_padding", False) else ""
+    return "; one-row products padded" if pair.target.row_padding else ""
 
 
 def main(argv: list[str] | None = None) -> int:

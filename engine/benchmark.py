@@ -589,7 +589,7 @@ def method(cfg: BenchConfig, setup: Setup, runs: list[dict], first_time_used: bo
         "order": "alternating baseline/dflash per repeat",
         "cooldown_s": cfg.cooldown,
         "mlx_cuda_use_cudnn_sdpa": accel.sdpa_setting(),
-        "row_padding": {"dflash": bool(getattr(setup.target, "row_padding", False)), "baseline": False,
+        "row_padding": {"dflash": setup.target.row_padding, "baseline": False,
                         "what": "dflash's target forwards do one-row products as two rows "
                                 "(engine/rowpad.py); mlx-lm's baseline runs the model unpadded"},
         "temperatures": list(cfg.temperatures),

@@ -36,25 +36,18 @@ def _double(x: mx.array) -> mx.array:
 
 
 def _padded_class(cls: type) -> type:
-    """A subclass of nn.Linear / nn.Embedding that computes a one-row product as two rows."""
+    """A subclass of nn.Linear / nn.Embedding whose product (__call__ / as_linear) computes a
+    one-row input as two rows."""
     if cls not in _CLASSES:
-        if issubclass(cls, nn.Embedding):
+        name = "as_linear" if issubclass(cls, nn.Embedding) else "__call__"
+        product = getattr(cls, name)
 
-            def as_linear(self, x):
-                if _active and x.ndim >= 2 and x.shape[-2] == 1:
-                    return cls.as_linear(self, _double(x))[..., :1, :]
-                return cls.as_linear(self, x)
+        def padded(self, x):
+            if _active and x.ndim >= 2 and x.shape[-2] == 1:
+                return product(self, _double(x))[..., :1, :]
+            return product(self, x)
 
-            body = {"as_linear": as_linear}
-        else:
-
-            def __call__(self, x):
-                if _active and x.ndim >= 2 and x.shape[-2] == 1:
-                    return cls.__call__(self, _double(x))[..., :1, :]
-                return cls.__call__(self, x)
-
-            body = {"__call__": __call__}
-        _CLASSES[cls] = type(f"RowPadded{cls.__name__}", (cls,), body)
+        _CLASSES[cls] = type(f"RowPadded{cls.__name__}", (cls,), {name: padded})
     return _CLASSES[cls]
 
 
@@ -69,14 +62,18 @@ def active() -> Iterator[None]:
         _active -= 1
 
 
+def _eligible(model: nn.Module) -> list[nn.Module]:
+    """The model's plain fp32 Linear / Embedding modules (quantized and half ones never reach BLAS)."""
+    return [m for _, m in model.named_modules()
+            if type(m) in (nn.Linear, nn.Embedding) and m.weight.dtype == mx.float32]
+
+
 def pad_single_rows(model: nn.Module) -> int:
-    """Swap the classes of `model`'s plain fp Linear / Embedding modules; return how many."""
-    n = 0
-    for _, m in model.named_modules():
-        if type(m) in (nn.Linear, nn.Embedding) and m.weight.dtype == mx.float32:
-            m.__class__ = _padded_class(type(m))
-            n += 1
-    return n
+    """Swap the classes of `model`'s eligible modules; return how many."""
+    mods = _eligible(model)
+    for m in mods:
+        m.__class__ = _padded_class(type(m))
+    return len(mods)
 
 
 def pays(model: nn.Module, reps: int = 7) -> bool:
@@ -87,8 +84,7 @@ def pays(model: nn.Module, reps: int = 7) -> bool:
         return forced == "1"
     if mx.default_device() != mx.cpu:
         return False
-    weights = [m.weight for _, m in model.named_modules()
-               if type(m) in (nn.Linear, nn.Embedding) and m.weight.dtype == mx.float32]
+    weights = [m.weight for m in _eligible(model)]
     if not weights:
         return False
     w = max(weights, key=lambda a: a.size)

@@ -53,6 +53,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from .lookup import CopyAcceptance
 
@@ -77,21 +78,13 @@ def rate(p: float, k: int, overhead: float, verify_cost: float) -> float:
 def verify_costs(prior: float | dict[int, float], block_size: int) -> list[float]:
     """v(k) for k = 0..block_size (index k; v(0) unused): 1 + prior*(k-1) for a linear prior,
     else the table interpolated linearly (and extended past its last point by its last slope)."""
+    ks = range(block_size + 1)
     if not isinstance(prior, dict):
-        return [1.0 + prior * (k - 1) for k in range(block_size + 1)]
-    pts = sorted(prior.items())
-    out = [1.0]
-    for k in range(1, block_size + 1):
-        lo = max((p for p in pts if p[0] <= k), default=pts[0])
-        hi = min((p for p in pts if p[0] >= k), default=None)
-        if hi is None:  # beyond the table: its last slope
-            (k0, v0), (k1, v1) = pts[-2], pts[-1]
-            out.append(v1 + (v1 - v0) / (k1 - k0) * (k - k1))
-        elif hi[0] == lo[0]:
-            out.append(lo[1])
-        else:
-            out.append(lo[1] + (hi[1] - lo[1]) * (k - lo[0]) / (hi[0] - lo[0]))
-    return out
+        return [1.0 + prior * (k - 1) for k in ks]
+    (k0, v0), (k1, v1) = sorted(prior.items())[-2:]
+    slope = (v1 - v0) / (k1 - k0)
+    xs, ys = zip(*sorted(prior.items()))
+    return [1.0] + [float(np.interp(k, xs, ys)) if k <= k1 else v1 + slope * (k - k1) for k in ks[1:]]
 
 
 PRIOR_WEIGHT = 2.5  # cycles' worth of a remembered acceptance (as much as the built-in prior)
