@@ -78,7 +78,7 @@ case "$1" in
         $MODEL /tmp/arm$arm --time-budget-s $2 $START $flags ${*:6}; echo TRAIN_DONE" \
         > /tmp/arm$arm.log 2>&1 < /dev/null &
     done
-    sleep 20; tail -2 /tmp/arm0.log /tmp/arm1.log ;;
+    sleep 20; tail -n 2 /tmp/arm0.log /tmp/arm1.log ;;
   abwait)  # abwait MAX_S
     end=$((SECONDS + $2))
     while [ $SECONDS -lt $end ] && ! { grep -q TRAIN_DONE /tmp/arm0.log && grep -q TRAIN_DONE /tmp/arm1.log; }; do sleep 10; done

@@ -504,7 +504,8 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
     eval_set = [td.Sample(k, p, td.chat_ids(tokenizer, p), [], "heldout")
                 for k, p in heldout_pairs[:n_eval]]
     report = evaluate(target, draft, tokenizer, eval_set, opts.eval_max_tokens, log) if eval_set else {}
-    summary.update(heldout=report, heldout_prompts=len(eval_set), eval_time_s=time.perf_counter() - t0,
+    summary.update(heldout=report, heldout_prompts=len(eval_set), heldout_excluded=len(heldout_pairs),
+                   eval_time_s=time.perf_counter() - t0,
                    total_time_s=time.perf_counter() - t_begin)
     (out / "train_summary.json").write_text(
         json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2) + "\n")

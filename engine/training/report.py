@@ -107,7 +107,7 @@ Output is always the target's own greedy text; the draft only sets the speed.
 - {s['train_sequences']} training sequences ({'file ' + str(o['prompts']) if o['prompts'] else 'built-in prompt set: chat, code, math, story, explain'}{f" + {s['derived_prompts']} prompts written by the target itself (sampled user turns)" if s.get('derived_prompts') else ''}),
   responses by the target (up to {o['max_new_tokens']} new tokens; {f"{o.get('sampled_responses', 0):.0%} of new prompts sampled at temperature {o.get('response_temperature')}, the rest greedy" if o.get('sampled_responses') else 'greedy'}){f", the prompts of {o['exclude_prompts']} excluded" if o.get('exclude_prompts') else ''},
   {s['train_tokens']} tokens in all (prompt + response, cut at {s.get('seq_len', o['max_len'])})
-- the {s['heldout_prompts']} held-out prompts (engine/training/heldout_prompts.jsonl) were never trained on
+- the {s.get('heldout_excluded', s['heldout_prompts'])} held-out prompts (engine/training/heldout_prompts.jsonl) were never trained on
 
 ## Training
 - global step {s['steps']} of a {sched.get('total_steps', '?')}-step campaign ({s.get('session_steps', s['steps'])} this session,
