@@ -487,10 +487,10 @@ def _job_row(job: Job, jobs: JobQueue) -> dict[str, Any]:
 
 
 def _row_padding(pair: Any) -> str:
-    """The loaded target's one-row padding (engine/rowpad.py), for the status line."""
+    """The loaded target's few-row padding (engine/rowpad.py), for the status line."""
     if pair is None:
         return ""
-    return "; one-row products padded" if pair.target.row_padding else ""
+    return "; few-row products padded" if pair.target.row_padding else ""
 
 
 def main(argv: list[str] | None = None) -> int:

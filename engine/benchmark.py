@@ -590,8 +590,10 @@ def method(cfg: BenchConfig, setup: Setup, runs: list[dict], first_time_used: bo
         "cooldown_s": cfg.cooldown,
         "mlx_cuda_use_cudnn_sdpa": accel.sdpa_setting(),
         "row_padding": {"dflash": setup.target.row_padding, "baseline": False,
-                        "what": "dflash's target forwards do one-row products as two rows "
-                                "(engine/rowpad.py); mlx-lm's baseline runs the model unpadded"},
+                        "plan": setup.target.row_plan,
+                        "what": "dflash's target forwards pad few-row products to the row count "
+                                "the BLAS does fastest, per weight shape (plan: rows -> padded "
+                                "rows; engine/rowpad.py); mlx-lm's baseline runs the model unpadded"},
         "temperatures": list(cfg.temperatures),
         "top_p": cfg.top_p,
         "top_k": cfg.top_k,

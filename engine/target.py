@@ -82,8 +82,10 @@ class TargetModel:
                 layer.__class__ = _capturing_class(type(layer))
             layer.__dict__["_dflash_sink"] = None
         tape.install(self.layers)
-        # one-row products done as two rows where that is faster (CPU + MKL; rowpad.py)
-        self.row_padding = rowpad.pays(model) and rowpad.pad_single_rows(model) > 0
+        # few-row products padded to the row count the BLAS does fastest (CPU + MKL; rowpad.py)
+        plans = rowpad.plan(model)
+        self.row_plan = rowpad.describe(plans)
+        self.row_padding = rowpad.pad_rows(model, plans) > 0
 
     # --- shared pieces the draft borrows -------------------------------------------------
     def embed(self, ids: mx.array) -> mx.array:
