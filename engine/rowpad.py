@@ -77,11 +77,14 @@ def _eligible(model: nn.Module) -> list[nn.Module]:
     return [m for _, m in model.named_modules() if type(m) in kinds and m.weight.dtype == mx.float32]
 
 
-def measure(w: mx.array, max_rows: int = MAX_ROWS, reps: int = 3) -> dict[int, int]:
+def measure(w: mx.array, max_rows: int = MAX_ROWS, reps: int | None = None) -> dict[int, int]:
     """{m: m'} for x [1, m, d] @ w.T: the fastest row count m' >= m, where >= 10% faster than m.
 
-    Each row count is timed `reps` times, round robin (a drifting machine skews none), medians.
+    Each row count is timed `reps` times, round robin (a drifting machine skews none), medians;
+    by default 3 for a large weight (an LM head: ~1 s in all) and 15 for a small one, whose
+    sub-millisecond products are noisier and cheap to repeat.
     """
+    reps = reps or (3 if w.size >= 4_000_000 else 15)
     xs = [mx.random.normal((1, m, w.shape[-1]), key=mx.random.key(m)) for m in range(1, max_rows + 1)]
     mx.eval(xs, [x @ w.T for x in xs])  # warm-up
     times: list[list[float]] = [[] for _ in xs]
