@@ -61,6 +61,9 @@ from .lookup import CopyAcceptance
 # MKL on a 2-core VM at a 300-token cache, one-row products padded (medians of 3 x 5, session 6:
 # 49.1, 48.4, 72.4, 84.3, 95.6, 98.2, 103.8, 125.2, 145.5 ms; 2 tokens taken as 1.0), interpolated
 # between these points.
+# Another CPU, another curve: on session 7's Intel Xeon VM (row plans, 300-token cache) 2, 3, 4, 6,
+# 8, 12, 16 tokens cost 1.04, 1.09, 1.66, 1.69, 2.04, 2.72, 2.24 steps; d absorbs part of the gap
+# for the widths in use, and this table stays the prior.
 # GPU: linear, c = 0.035 a token (an 8B shape in bf16 on the H200: M=16 / M=1 = 1.4-1.55).
 # d is a start value that measurement replaces.
 CPU_VERIFY_COST = {1: 1.0, 2: 1.0, 3: 1.47, 4: 1.72, 5: 1.95, 6: 2.0, 8: 2.11, 12: 2.55, 16: 2.96}
