@@ -19,19 +19,19 @@ DFLASH_PAD_ROWS=0 turns it off; =1 forces the plan {1: 2} on every eligible modu
 
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
 import time
-from typing import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from .scope import Scope
+
 ENV = "DFLASH_PAD_ROWS"
 MAX_ROWS = 16  # a DFlash block: the verify and the draft's LM head never go beyond it
 FORCED = {1: 2}
-_active = 0  # > 0 inside active(): the target's own forwards (one thread runs MLX per process)
+active = Scope()  # the target's own forwards are inside (TargetModel enters it)
 _CLASSES: dict[type, type] = {}
 _measured: dict[tuple, dict[int, int]] = {}
 Plans = dict[tuple, dict[int, int]]  # weight shape -> {rows: padded rows}
@@ -51,24 +51,13 @@ def _padded_class(cls: type) -> type:
         product = getattr(cls, name)
 
         def padded(self, x):
-            to = self.__dict__["_dflash_rows"].get(x.shape[-2]) if _active and x.ndim >= 2 else None
+            to = self.__dict__["_dflash_rows"].get(x.shape[-2]) if active and x.ndim >= 2 else None
             if to:
                 return product(self, _pad(x, to))[..., : x.shape[-2], :]
             return product(self, x)
 
         _CLASSES[cls] = type(f"RowPadded{cls.__name__}", (cls,), {name: padded})
     return _CLASSES[cls]
-
-
-@contextlib.contextmanager
-def active() -> Iterator[None]:
-    """Pad the products of swapped modules while inside (re-entrant)."""
-    global _active
-    _active += 1
-    try:
-        yield
-    finally:
-        _active -= 1
 
 
 def _eligible(model: nn.Module) -> list[nn.Module]:

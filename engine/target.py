@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from . import rowpad, tape
+from . import rowpad, tape, verifymask
 
 _CAPTURE_CLASSES: dict[type, type] = {}
 
@@ -83,6 +83,8 @@ class TargetModel:
             layer.__dict__["_dflash_sink"] = None
         tape.install(self.layers)
         # few-row products padded to the row count the BLAS does fastest (CPU + MKL; rowpad.py)
+        if verifymask.max_keys():  # DFLASH_VERIFY_MASK=array[:N] (checked here: a bad value fails at load)
+            verifymask.install()
         plans = rowpad.plan(model)
         self.row_plan = rowpad.describe(plans)
         self.row_padding = rowpad.pad_rows(model, plans) > 0
@@ -120,7 +122,7 @@ class TargetModel:
         `last_only` (prefill): logits of the last position only, [1, 1, V]; the LM head over a
         whole prompt chunk is most of a small model's prefill and only its last row is used.
         """
-        with rowpad.active():
+        with rowpad.active(), verifymask.active():
             if last_only:
                 return self.capture(lambda: self.lm_head(self.inner(tokens, cache=cache)[:, -1:]))
             return self.capture(lambda: self.model(tokens, cache=cache))
