@@ -85,13 +85,15 @@ def measure(w: mx.array, max_rows: int = MAX_ROWS, reps: int | None = None) -> d
     return choose([statistics.median(ts) for ts in times])
 
 
-def choose(times: list[float]) -> dict[int, int]:
-    """The plan from the times of 1, 2, .. rows: m -> the fastest m' >= m (the fewest rows among
-    equals), where it is at least 10% faster than m itself."""
+def choose(times: list[float], min_gain_s: float = 25e-6) -> dict[int, int]:
+    """The plan from the times (s) of 1, 2, .. rows: m -> the fastest m' >= m (the fewest rows
+    among equals), where it is at least 10% and `min_gain_s` faster than m itself (a small
+    weight's product takes ~0.1 ms, and its timing noise alone can look like 10%)."""
     out = {}
     for m in range(1, len(times) + 1):
         best = min(range(m, len(times) + 1), key=lambda r: (times[r - 1], r))
-        if best > m and times[best - 1] < 0.9 * times[m - 1]:
+        gain = times[m - 1] - times[best - 1]
+        if best > m and gain > 0.1 * times[m - 1] and gain > min_gain_s:
             out[m] = best
     return out
 
