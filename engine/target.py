@@ -82,9 +82,9 @@ class TargetModel:
                 layer.__class__ = _capturing_class(type(layer))
             layer.__dict__["_dflash_sink"] = None
         tape.install(self.layers)
-        # few-row products padded to the row count the BLAS does fastest (CPU + MKL; rowpad.py)
         if verifymask.max_keys():  # DFLASH_VERIFY_MASK=array[:N] (checked here: a bad value fails at load)
             verifymask.install()
+        # few-row products padded to the row count the BLAS does fastest (CPU + MKL; rowpad.py)
         plans = rowpad.plan(model)
         self.row_plan = rowpad.describe(plans)
         self.row_padding = rowpad.pad_rows(model, plans) > 0
