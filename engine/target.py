@@ -82,12 +82,16 @@ class TargetModel:
                 layer.__class__ = _capturing_class(type(layer))
             layer.__dict__["_dflash_sink"] = None
         tape.install(self.layers)
-        if verifymask.max_keys():  # DFLASH_VERIFY_MASK=array[:N] (checked here: a bad value fails at load)
-            verifymask.install()
+        verifymask.configure()  # DFLASH_VERIFY_MASK (read here: a bad value fails at load)
         # few-row products padded to the row count the BLAS does fastest (CPU + MKL; rowpad.py)
         plans = rowpad.plan(model)
-        self.row_plan = rowpad.describe(plans)
-        self.row_padding = rowpad.pad_rows(model, plans) > 0
+        rowpad.pad_rows(model, plans)
+        self.row_plan = rowpad.describe(plans)  # the non-empty plans: what pad_rows applied
+
+    @property
+    def row_padding(self) -> bool:
+        """Whether some of the target's products are padded (rowpad.py)."""
+        return bool(self.row_plan)
 
     # --- shared pieces the draft borrows -------------------------------------------------
     def embed(self, ids: mx.array) -> mx.array:

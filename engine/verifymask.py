@@ -27,7 +27,8 @@ from .scope import Scope
 
 ENV = "DFLASH_VERIFY_MASK"
 active = Scope()  # the target's own forwards are inside (TargetModel enters it)
-_real_sdpa = None  # mx.fast.scaled_dot_product_attention, once install() has wrapped it
+_real_sdpa = None  # mx.fast.scaled_dot_product_attention, once configure() has wrapped it
+_limit = 0  # max_keys() as of the last configure(): read once per model load, not per attention call
 
 
 def max_keys() -> int:
@@ -50,15 +51,17 @@ def causal_array(queries: int, keys: int) -> mx.array:
 def _sdpa(q: mx.array, k: mx.array, v: mx.array, *args: Any, **kwargs: Any) -> mx.array:
     mask = kwargs.get("mask")
     if active and isinstance(mask, str) and mask == "causal" and q.shape[-2] > 1:
-        if k.shape[-2] <= max_keys():
+        if k.shape[-2] <= _limit:
             kwargs["mask"] = causal_array(q.shape[-2], k.shape[-2])
     return _real_sdpa(q, k, v, *args, **kwargs)
 
 
-def install() -> None:
-    """Wrap mx.fast.scaled_dot_product_attention once per process (mlx-lm's models look it up at
-    every call); outside `active()`, or with the default setting, the wrapper only passes through."""
-    global _real_sdpa
-    if _real_sdpa is None:
+def configure() -> None:
+    """Read the setting (a bad value raises here, at load) and, the first time it asks for arrays,
+    wrap mx.fast.scaled_dot_product_attention (mlx-lm's models look it up at every call); outside
+    `active()`, or with the limit back at 0, the wrapper only passes through."""
+    global _real_sdpa, _limit
+    _limit = max_keys()
+    if _limit and _real_sdpa is None:
         _real_sdpa = mx.fast.scaled_dot_product_attention
         mx.fast.scaled_dot_product_attention = _sdpa

@@ -84,9 +84,9 @@ def verify_costs(prior: float | dict[int, float], block_size: int) -> list[float
     ks = range(block_size + 1)
     if not isinstance(prior, dict):
         return [1.0 + prior * (k - 1) for k in ks]
-    (k0, v0), (k1, v1) = sorted(prior.items())[-2:]
-    slope = (v1 - v0) / (k1 - k0)
     xs, ys = zip(*sorted(prior.items()))
+    k1, v1 = xs[-1], ys[-1]
+    slope = (v1 - ys[-2]) / (k1 - xs[-2])
     return [1.0] + [float(np.interp(k, xs, ys)) if k <= k1 else v1 + slope * (k - k1) for k in ks[1:]]
 
 

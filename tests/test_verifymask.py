@@ -68,5 +68,6 @@ def test_array_masks_give_mlx_lm_greedy_ids_and_only_in_the_targets_forwards(
     assert arrays and all(q > 1 and k >= q for q, k in arrays)
     n = len(arrays)
     monkeypatch.setenv(verifymask.ENV, f"array:{len(ids) - 1}")  # fewer keys than any verify sees
+    pair = load_pair(tiny_dirs[arch], tiny_dirs[arch] / "draft")  # the setting is read at load
     final, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, 40, verify_window="full")
     assert final.token_ids == ref and len(arrays) == n
