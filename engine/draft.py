@@ -33,6 +33,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
+from . import verifyattn
+
 # Keys of a published DFlash config.json (z-lab/Qwen3-*-DFlash-b16) that the draft's shape does not
 # determine, with the published values; save_draft writes them unless the config carries its own.
 PUBLISHED_DEFAULTS: dict[str, Any] = {
@@ -193,7 +195,7 @@ class DraftAttention(nn.Module):
         if ks:
             kb = mx.concatenate([*ks, kb], axis=2)
             vb = mx.concatenate([*vs, vb], axis=2)
-        out = mx.fast.scaled_dot_product_attention(q, kb, vb, scale=self.scale, mask=mask)
+        out = verifyattn.attention(q, kb, vb, self.scale, mask)  # MLX's, or fewq's kernel when inferring
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 

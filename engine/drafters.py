@@ -16,6 +16,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from . import sampling as sampling_mod
+from . import verifyattn
 from .draft import DFlashDraft
 from .sampling import DraftSampling
 from .sparse import PositionedKVCache
@@ -94,7 +95,8 @@ class DFlashDrafter:
                 f"draft context holds {self.context_len} rows, anchor is at {anchor_pos}"
             )
         block = mx.concatenate([anchor.reshape(1).astype(mx.int32), self._masks])[None]
-        h = self.draft(self.target.embed(block), anchor_pos, self.cache)
+        with verifyattn.active():  # the block's 16 queries over the context: fewq's kernel on CUDA
+            h = self.draft(self.target.embed(block), anchor_pos, self.cache)
         rows = h[:, 1 : 1 + (self.block_size - 1 if count is None else count)]
         if sampling is None:
             return mx.argmax(self.target.lm_head(rows), axis=-1)[0].astype(mx.int32)

@@ -1,6 +1,6 @@
 """A re-entrant "inside the target's own forwards" flag.
 
-Row padding (rowpad.py) and the verify mask (verifymask.py) change how MLX computes a product or
+Row padding (rowpad.py) and the few-query attention (verifyattn.py) change how MLX computes a product or
 an attention, and must do so only inside the target's own forwards: mlx-lm running the same model
 object (the benchmark's baseline) is left as mlx-lm runs it. Each keeps a Scope; TargetModel
 enters them around its forwards.

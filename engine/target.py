@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from . import rowpad, tape, verifymask
+from . import rowpad, tape, verifyattn
 
 _CAPTURE_CLASSES: dict[type, type] = {}
 
@@ -82,7 +82,7 @@ class TargetModel:
                 layer.__class__ = _capturing_class(type(layer))
             layer.__dict__["_dflash_sink"] = None
         tape.install(self.layers)
-        verifymask.configure()  # DFLASH_VERIFY_MASK (read here: a bad value fails at load)
+        verifyattn.configure()  # DFLASH_VERIFY_MASK (read here: a bad value fails at load)
         # few-row products padded to the row count the BLAS does fastest (CPU + MKL; rowpad.py)
         plans = rowpad.plan(model)
         rowpad.pad_rows(model, plans)
@@ -126,7 +126,7 @@ class TargetModel:
         `last_only` (prefill): logits of the last position only, [1, 1, V]; the LM head over a
         whole prompt chunk is most of a small model's prefill and only its last row is used.
         """
-        with rowpad.active(), verifymask.active():
+        with rowpad.active(), verifyattn.active():
             if last_only:
                 return self.capture(lambda: self.lm_head(self.inner(tokens, cache=cache)[:, -1:]))
             return self.capture(lambda: self.model(tokens, cache=cache))

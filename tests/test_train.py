@@ -257,6 +257,13 @@ def test_schedule():
     assert all(s(u) >= s(u + 1) for u in range(10, 120))
     r = Schedule(1e-3, 100, 10, 0.1, rewarmup_from=50, rewarmup_steps=20)
     assert math.isclose(r(60), s(60) * 0.5) and r(70) == s(70) and r(40) == s(40)
+    w = Schedule(1e-3, 100, 10, 0.1)
+    w.restart(60, 5e-4)  # a new cosine over steps 61..100, from 5e-4 down to 5e-5
+    assert math.isclose(w(61), 5e-4, rel_tol=0.01)
+    assert math.isclose(w(80), 5e-5 + (5e-4 - 5e-5) * 0.5) and math.isclose(w(100), 5e-5)
+    assert all(w(u) >= w(u + 1) for u in range(61, 120))
+    with pytest.raises(ValueError, match="total-steps"):
+        w.restart(100, 1e-3)
 
 
 def test_dist_entry_script_with_kl(looping: Path, loop_data: Path, tmp_path: Path):

@@ -129,6 +129,7 @@ class TrainOptions:
     compile_steps: int = 2
     resume: str | None = None  # a checkpoint folder
     rewarmup_steps: int = 200
+    restart_lr: float | None = None  # on --resume: a warm restart, a new cosine from this lr
     # the step
     gamma: float | None = None
     kl_weight: float = 0.0
@@ -300,6 +301,10 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
         if opts.total_steps and opts.total_steps != sched.total_steps:
             say(f"[train] total steps {sched.total_steps} -> {opts.total_steps} (the cosine is re-stretched)")
             sched.total_steps = opts.total_steps
+        if opts.restart_lr:
+            sched.restart(step, opts.restart_lr)
+            say(f"[train] warm restart at step {step}: cosine from lr {opts.restart_lr:.2e} to "
+                f"{opts.restart_lr * sched.min_lr_ratio:.2e} at step {sched.total_steps}")
         if saved_opt is None:
             sched.rewarmup_from, sched.rewarmup_steps = step, opts.rewarmup_steps
             say(f"[train] optimiser moments not in the checkpoint: fresh AdamW, lr re-warmed over "
@@ -533,6 +538,7 @@ def _cli():
     @click.option("--time-budget-s", default=None, type=float, help="Stop THIS session after this much training time (compile steps not counted).")
     @click.option("--compile-steps", default=2, show_default=True, help="First steps timed apart (trace + kernel JIT), before the budget clock.")
     @click.option("--rewarmup-steps", default=200, show_default=True, help="On --resume without optimiser moments: lr ramps from 0 over this many steps.")
+    @click.option("--restart-lr", default=None, type=click.FloatRange(min=0, min_open=True), help="With --resume and --total-steps: a warm restart, a new cosine from this lr at the resume step to the new total.")
     @click.option("--lr", default=6e-4, show_default=True)
     @click.option("--warmup", default=0.04, show_default=True, help="Warm-up: a fraction of --total-steps (< 1) or a number of steps.")
     @click.option("--min-lr-ratio", default=0.05, show_default=True, help="The cosine ends at lr x this.")

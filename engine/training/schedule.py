@@ -6,6 +6,9 @@ Update u (1-based: the u-th optimiser step of the whole campaign, over all sessi
 and min_lr after `total`. A session's --max-steps / --time-budget-s only stop that session.
 A resume without the optimiser's moments re-warms: for `rewarmup_steps` updates after the resume
 step R, lr(u) * min(1, (u - R) / rewarmup_steps) (fresh Adam moments must not take full steps).
+A warm restart (SGDR, `restart(step, lr)`: train-draft --restart-lr) starts a new cosine at step C
+from a new peak: for u > C, p = (u - C) / (total - C); a late session can explore at a high lr again
+and still end annealed, where re-stretching the one cosine only moves along its tail.
 """
 
 from __future__ import annotations
@@ -22,12 +25,16 @@ class Schedule:
     min_lr_ratio: float = 0.0
     rewarmup_from: int | None = None  # global step of a resume without moments
     rewarmup_steps: int = 0
+    cycle_from: int = 0  # a warm restart's step (0: one cosine from the campaign's start)
 
     def base(self, u: int) -> float:
-        if u <= self.warmup_steps:
+        start = self.warmup_steps
+        if self.cycle_from and u > self.cycle_from:
+            start = self.cycle_from  # the restart's warm-up is the re-warm (rewarm_factor)
+        elif u <= self.warmup_steps:
             return self.lr * max(u, 1) / max(self.warmup_steps, 1)
-        span = max(self.total_steps - self.warmup_steps, 1)
-        p = min((u - self.warmup_steps) / span, 1.0)
+        span = max(self.total_steps - start, 1)
+        p = min((u - start) / span, 1.0)
         lo = self.lr * self.min_lr_ratio
         return lo + (self.lr - lo) * 0.5 * (1.0 + math.cos(math.pi * p))
 
@@ -38,6 +45,12 @@ class Schedule:
 
     def __call__(self, u: int) -> float:
         return self.base(u) * self.rewarm_factor(u)
+
+    def restart(self, step: int, lr: float) -> None:
+        """A new cosine from `lr` at `step` down to lr x min_lr_ratio at total_steps."""
+        if self.total_steps <= step:
+            raise ValueError(f"a restart at step {step} needs --total-steps beyond it (now {self.total_steps})")
+        self.cycle_from, self.lr = step, lr
 
     def to_dict(self) -> dict:
         return asdict(self)

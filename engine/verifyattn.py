@@ -1,0 +1,87 @@
+"""Which attention the cycle's few-query forwards use: MLX's, or our fused CUDA kernel (fewq.py).
+
+A verify is one target forward of up to 16 tokens over the whole cache, and a draft pass is 16
+block queries over the context; MLX 0.32 on CUDA runs those (4 or more queries, cuDNN off) as
+unfused matmul + mask + softmax + matmul, most of what a verify costs beyond a decode step
+(fewq.py). The setting:
+
+    DFLASH_VERIFY_ATTN=auto    (default) the kernel on a CUDA GPU, MLX's attention elsewhere
+    DFLASH_VERIFY_ATTN=mlx     MLX's attention, as mlx-lm calls it
+    DFLASH_VERIFY_ATTN=kernel  the kernel (a CUDA GPU is required: an error at load otherwise)
+
+It acts only inside `active()`, which the target's own forwards enter (engine/target.py), and in
+the draft's attention (`attention()`), so mlx-lm running the same model (the benchmark's
+baseline) is untouched. Shapes the kernel does not take (fewq.supported: under 4 or over 16
+queries, other head dims, masks other than causal/none) go to MLX as before.
+
+Measured and dropped: an explicit boolean causal mask instead of MLX's "causal" path (faster for
+one layer at 1K keys, 0.17 against 0.32 ms, but the whole 1K oracle fell from 4.73x to 3.79x on
+the H200; docs/benchmark.md).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import mlx.core as mx
+
+from . import fewq
+from .scope import Scope
+
+ENV = "DFLASH_VERIFY_ATTN"
+MODES = ("auto", "mlx", "kernel")
+active = Scope()  # the target's own forwards are inside (TargetModel enters it)
+_real_sdpa = None  # mx.fast.scaled_dot_product_attention, once configure() has wrapped it
+_kernel = False  # as of the last configure(): read once per model load, not per attention call
+
+
+def cuda() -> bool:
+    """Whether MLX runs on a CUDA GPU here."""
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def mode() -> str:
+    """The setting, resolved: "mlx" or "kernel" (a bad value or an impossible one raises)."""
+    value = os.environ.get(ENV, "auto").strip() or "auto"
+    if value not in MODES:
+        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(MODES)}")
+    if value == "kernel" and not cuda():
+        raise ValueError(f"{ENV}=kernel needs MLX on a CUDA GPU (this is {mx.default_device()})")
+    if value == "auto":
+        return "kernel" if cuda() else "mlx"
+    return value
+
+
+def _takes(q: mx.array, k: mx.array, v: mx.array, mask: Any) -> bool:
+    return _kernel and (mask is None or (isinstance(mask, str) and mask == "causal")) and fewq.supported(q, k, v)
+
+
+def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any = None) -> mx.array:
+    """Scaled dot-product attention: the kernel inside `active()` where it applies, else MLX's
+    (training's differentiated passes stay outside: the kernel has no gradient)."""
+    if active and _takes(q, k, v, mask):
+        return fewq.attention(q, k, v, scale, causal=mask is not None)
+    sdpa = _real_sdpa or mx.fast.scaled_dot_product_attention
+    return sdpa(q, k, v, scale=scale, mask=mask)
+
+
+def _sdpa(q: mx.array, k: mx.array, v: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+    plain = (not args and "scale" in kwargs and set(kwargs) <= {"scale", "mask", "sinks"}
+             and kwargs.get("sinks") is None)  # mlx-lm passes sinks=None
+    if active and plain and _takes(q, k, v, kwargs.get("mask")):
+        return fewq.attention(q, k, v, kwargs["scale"], causal=kwargs.get("mask") is not None)
+    return _real_sdpa(q, k, v, *args, **kwargs)
+
+
+def configure() -> str:
+    """Read the setting (a bad value raises here, at load) and, the first time it picks the
+    kernel, wrap mx.fast.scaled_dot_product_attention (mlx-lm's models look it up at every call);
+    outside `active()`, or with the setting back at mlx, the wrapper only passes through."""
+    global _real_sdpa, _kernel
+    chosen = mode()
+    _kernel = chosen == "kernel"
+    if _kernel and _real_sdpa is None:
+        _real_sdpa = mx.fast.scaled_dot_product_attention
+        mx.fast.scaled_dot_product_attention = _sdpa
+    return chosen
