@@ -5,7 +5,8 @@ block queries over the context; MLX 0.32 on CUDA runs those (4 or more queries, 
 unfused matmul + mask + softmax + matmul, most of what a verify costs beyond a decode step
 (fewq.py). The setting:
 
-    DFLASH_VERIFY_ATTN=auto    (default) the kernel on a CUDA GPU, MLX's attention elsewhere
+    DFLASH_VERIFY_ATTN=auto    (default) the kernel on a CUDA GPU where a first small call of it
+                               matches the plain maths (else a warning and MLX's), MLX's elsewhere
     DFLASH_VERIFY_ATTN=mlx     MLX's attention, as mlx-lm calls it
     DFLASH_VERIFY_ATTN=kernel  the kernel (a CUDA GPU is required: an error at load otherwise)
 
@@ -22,6 +23,7 @@ the H200; docs/benchmark.md).
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import mlx.core as mx
@@ -41,6 +43,29 @@ def cuda() -> bool:
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
+_works: bool | None = None  # the auto mode's one check of the kernel, once per process
+
+
+def kernel_works() -> bool:
+    """One small causal call of the kernel against fewq.reference: False (with a warning) if it
+    fails to build or run here, e.g. on a GPU without bf16 tensor cores."""
+    global _works
+    if _works is None:
+        try:
+            q, k, v = (mx.random.normal(s, key=mx.random.key(i)).astype(mx.bfloat16)
+                       for i, s in enumerate(((1, 4, 16, 64), (1, 1, 80, 64), (1, 1, 80, 64))))
+            got = fewq.attention(q, k, v, 0.125, True).astype(mx.float32)
+            _works = mx.allclose(got, fewq.reference(q, k, v, 0.125, True).astype(mx.float32),
+                                 atol=2e-2).item()
+            reason = "its output differs from the plain maths"
+        except Exception as e:  # noqa: BLE001 - any build or launch failure means: do not use it
+            _works, reason = False, f"{type(e).__name__}: {e}"
+        if not _works:
+            warnings.warn(f"{ENV}=auto: the few-query attention kernel is off here ({reason}); "
+                          "MLX's attention is used", RuntimeWarning, stacklevel=2)
+    return _works
+
+
 def mode() -> str:
     """The setting, resolved: "mlx" or "kernel" (a bad value or an impossible one raises)."""
     value = os.environ.get(ENV, "auto").strip() or "auto"
@@ -49,12 +74,14 @@ def mode() -> str:
     if value == "kernel" and not cuda():
         raise ValueError(f"{ENV}=kernel needs MLX on a CUDA GPU (this is {mx.default_device()})")
     if value == "auto":
-        return "kernel" if cuda() else "mlx"
+        return "kernel" if cuda() and kernel_works() else "mlx"
     return value
 
 
 def _takes(q: mx.array, k: mx.array, v: mx.array, mask: Any) -> bool:
-    return _kernel and (mask is None or (isinstance(mask, str) and mask == "causal")) and fewq.supported(q, k, v)
+    """The kernel is on, and takes this call: no mask or the causal one, a shape it runs."""
+    plain_mask = mask is None or (isinstance(mask, str) and mask == "causal")
+    return _kernel and plain_mask and fewq.supported(q, k, v)
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any = None) -> mx.array:

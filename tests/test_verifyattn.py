@@ -32,11 +32,38 @@ def test_the_setting_is_resolved_and_a_bad_one_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(verifyattn, "cuda", lambda: True)
     assert verifyattn.mode() == "kernel"
     monkeypatch.setenv(verifyattn.ENV, "auto")
+    monkeypatch.setattr(verifyattn, "_works", True)
     assert verifyattn.mode() == "kernel"
     for bad in ("kernal", "array", "causal"):
         monkeypatch.setenv(verifyattn.ENV, bad)
         with pytest.raises(ValueError, match=verifyattn.ENV):
             verifyattn.mode()
+
+
+def test_auto_checks_the_kernel_once_and_falls_back_with_a_warning(monkeypatch):
+    monkeypatch.setattr(verifyattn, "cuda", lambda: True)
+    monkeypatch.setenv(verifyattn.ENV, "auto")
+    monkeypatch.setattr(fewq, "DTYPES", (mx.bfloat16, mx.float32))
+    monkeypatch.setattr(verifyattn, "_works", None)
+    monkeypatch.setattr(fewq, "attention", fewq.reference)  # the kernel's maths, as on a GPU
+    assert verifyattn.mode() == "kernel" and verifyattn._works is True
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("nvrtc: no bf16 WMMA on this GPU")
+
+    monkeypatch.setattr(verifyattn, "_works", None)
+    monkeypatch.setattr(fewq, "attention", broken)
+    with pytest.warns(RuntimeWarning, match="nvrtc: no bf16 WMMA"):
+        assert verifyattn.mode() == "mlx"
+    assert verifyattn.mode() == "mlx"  # checked once: no second warning, no second try
+
+    monkeypatch.setattr(verifyattn, "_works", None)
+    def wrong(q, k, v, scale, causal):
+        return fewq.reference(q, k, v, scale, not causal)
+
+    monkeypatch.setattr(fewq, "attention", wrong)
+    with pytest.warns(RuntimeWarning, match="differs"):
+        assert verifyattn.mode() == "mlx"
 
 
 @pytest.mark.parametrize("causal", [True, False])
