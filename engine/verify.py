@@ -52,16 +52,18 @@ def verify(
     Greedy when `sampling` is None; otherwise `key` drives the draws and `q` (k, V) holds the
     probs the drafts were drawn from (None: a deterministic drafter, q one-hot at the drafts).
     """
-    block = mx.concatenate([anchor.reshape(1).astype(mx.int32), drafts.astype(mx.int32)])[None]
+    plain = drafts.shape[0] == 0  # a plain decode step: nothing to accept, no ops spent on it
+    anchor = anchor.reshape(1).astype(mx.int32)
+    block = (anchor if plain else mx.concatenate([anchor, drafts.astype(mx.int32)]))[None]
     tp = tape_mod.Tape() if record_tape else None
     with tape_mod.recording(tp):
         logits, features = target.forward(block, caches)
     if sampling is None:
         tokens = mx.argmax(logits[0], axis=-1).astype(mx.int32)
-        accepted = greedy_accept(drafts, tokens)
-    elif drafts.shape[0] == 0:  # a plain step: one draw from p, nothing to accept
+        accepted = mx.array(0, mx.int32) if plain else greedy_accept(drafts, tokens)
+    elif plain:  # one draw from p
         tokens = sampling_mod.sample(logits[0], sampling, key)
-        accepted = mx.zeros((), mx.int32)
+        accepted = mx.array(0, mx.int32)
     else:
         p = sampling_mod.probs(logits[0], sampling)
         accepted, tokens = sampling_mod.accept(p, drafts.astype(mx.int32), q, key)

@@ -36,14 +36,12 @@ MODES = ("auto", "mlx", "kernel")
 active = Scope()  # the target's own forwards are inside (TargetModel enters it)
 _real_sdpa = None  # mx.fast.scaled_dot_product_attention, once configure() has wrapped it
 _kernel = False  # as of the last configure(): read once per model load, not per attention call
+_works: bool | None = None  # the auto mode's one check of the kernel, once per process
 
 
 def cuda() -> bool:
     """Whether MLX runs on a CUDA GPU here."""
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
-
-
-_works: bool | None = None  # the auto mode's one check of the kernel, once per process
 
 
 def kernel_works() -> bool:

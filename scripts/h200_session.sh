@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One call of a whole campaign session on the lent H200s, made again and again by a "pump" (a
+# helper agent that only calls the device tool back to back, so the machine never idles 30 s and
+# is never given back while a background job runs). Each call does the next phase, then waits
+# up to W seconds on the background job and returns:
+#
+#   data -> train -> pack -> packdata -> final -> ALL_DONE   (phase markers in /tmp/ph_*)
+#
+#   run(command="bash scripts/h200_session.sh", carry=[".device/N", ".devq"])  (after staging)
+#
+# Settings (env, read at every call, so a change before the next call takes effect):
+#   DERIVE=N        (required) prompts the target has written in all: the staged cache's count
+#                   (237,900 after session 8) trains on the cache as it is, more derives and
+#                   answers the difference first (~60K new: ~450 s on two GPUs)
+#   DATA=1          run the data phase (0: skip it; then DERIVE must be the cache's count)
+#   BUDGET=420      training seconds after the compile;  TOTAL_STEPS=...  the cosine's end
+#   RESTART_LR=4e-4 a warm restart at the resume step ("" for none);  W=75  seconds to wait a call
+# Hooks, in the ignored .devq/ (carried): .devq/job.sh runs once per content at the start of a
+# call (not while packing): the session's own GPU work beside the campaign; .devq/final.sh runs
+# after packdata (both GPUs free), and then the script prints ALL_DONE. pack/packdata write
+# $OUT alone (8 files at most come back).
+set -uo pipefail
+N=$(ls -d .device/*/activate.sh 2>/dev/null | head -1)
+source "$N" > /tmp/act.log 2>&1 || { tail -5 /tmp/act.log; exit 1; }
+export MLX_CUDA_USE_CUDNN_SDPA=0 PYTHONUNBUFFERED=1 NGPU=${NGPU:-2}
+LOG=/tmp/train_stdout.log
+FLAGS="--gen-batch-size 2048 --num-prompts 0 --exclude-prompts /tmp/train_out/data/derived_prompts.jsonl --sampled-responses 0.5"
+RESTART=${RESTART_LR-4e-4}
+done_bg() { grep -q TRAIN_DONE "$LOG" 2>/dev/null; }
+phase=wait
+if [ ! -f /tmp/ph_data ]; then phase=data
+elif done_bg && [ ! -f /tmp/ph_train ]; then phase=train
+elif [ -f /tmp/ph_train ] && done_bg && [ ! -f /tmp/ph_pack ]; then phase=pack
+elif [ -f /tmp/ph_pack ] && [ ! -f /tmp/ph_packdata ]; then phase=packdata
+elif [ -f /tmp/ph_packdata ] && [ ! -f /tmp/ph_final ]; then phase=final
+elif [ -f /tmp/ph_final ]; then phase=done
+fi
+echo "== phase $phase $(date +%T)"
+if [ -f .devq/job.sh ] && [ "$phase" != pack ] && [ "$phase" != packdata ]; then
+  id=$(md5sum .devq/job.sh | cut -c1-8)
+  if [ ! -f "/tmp/devq_done_$id" ]; then
+    touch "/tmp/devq_done_$id"; echo "== job $id"
+    timeout "${JOB_S:-240}" bash .devq/job.sh 2>&1 | tail -n 80; echo "== job $id rc ${PIPESTATUS[0]}"
+  fi
+fi
+case $phase in
+  data)
+    if [ "${DATA:-1}" = 1 ]; then
+      DERIVE=${DERIVE:?set DERIVE} bash scripts/h200_pair.sh data - $FLAGS
+    else  # nothing to make: the training reads the staged cache
+      echo TRAIN_DONE > "$LOG"
+    fi
+    touch /tmp/ph_data ;;
+  train)
+    grep -E "^\[data\]" "$LOG" | tail -3
+    DERIVE=${DERIVE:?set DERIVE} TOTAL_STEPS=${TOTAL_STEPS:?set TOTAL_STEPS} bash scripts/h200_pair.sh start \
+      "${BUDGET:-420}" /tmp/stage/files/draft --miss-anchor-frac 0.5 --early-anchor-frac 0.3 \
+      ${RESTART:+--restart-lr $RESTART} $FLAGS
+    touch /tmp/ph_train ;;
+  pack) bash scripts/h200_pair.sh wait 0; bash scripts/h200_pair.sh pack; touch /tmp/ph_pack; exit 0 ;;
+  packdata) bash scripts/h200_pair.sh packdata; touch /tmp/ph_packdata; exit 0 ;;
+  final)
+    touch /tmp/ph_final
+    [ -f .devq/final.sh ] && timeout "${FINAL_S:-500}" bash .devq/final.sh 2>&1 | tail -n 60
+    echo ALL_DONE; exit 0 ;;
+  done) echo ALL_DONE; exit 0 ;;
+esac
+bash scripts/h200_pair.sh wait "${W:-75}" | tail -n 6
