@@ -188,6 +188,16 @@ def test_resume_continues_the_campaign(looping: Path, loop_data: Path, tmp_path:
     assert [s["start_step"] for s in trainer["sessions"]] == [0, n]
     assert trainer["schedule"]["rewarmup_from"] == n
 
+    # a warm restart: a new cosine from --restart-lr at the resume step to the new total
+    d = tmp_path / "d"
+    train_draft(_opts(looping, d, loop_data, resume=str(c_ckpt), max_steps=m, rewarmup_steps=rew,
+                      total_steps=n + m, restart_lr=5e-3), log=lambda s: None)
+    wr = Schedule(5e-3, n + m, 5, 0.05, rewarmup_from=n, rewarmup_steps=rew, cycle_from=n)
+    for r in _log(d):
+        assert math.isclose(r["lr"], wr(r["step"]), rel_tol=1e-9), r
+    assert math.isclose(_log(d)[-1]["lr"], 5e-3 * 0.05, rel_tol=1e-9)  # annealed at the new total
+    assert json.loads((d / "checkpoint" / "trainer.json").read_text())["schedule"]["cycle_from"] == n
+
 
 def test_checkpoint_parts_are_small_and_load_back(tmp_path: Path):
     from mlx.utils import tree_flatten
