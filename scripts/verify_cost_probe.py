@@ -10,7 +10,11 @@ mask (what a verify runs), the same with an explicit boolean mask, and M single-
 (the decode kernel, each at its own length). Every timed call runs at a cache length not used
 before in this process (L + i for repeat i), after warm-up calls at other lengths; medians.
 The sums say which part to attack (a specialised kernel through mx.fast.cuda_kernel, or another
-attention path) before writing one.
+attention path) before writing one. Where the parts' sums do not add up to what a whole verify
+costs, the whole-layer rows do: one mlx-lm Qwen3 block (norms, RoPE, cache write, projections,
+attention, MLP) over a KV cache at a new length per call, with MLX's attention (`layer_ms`) and,
+on a CUDA GPU, with engine/fewq.py's kernel as the cycle runs it (`layer_fewq_ms`, and the
+kernel's attention alone, `sdpa_fewq_ms`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,13 @@ import statistics
 import time
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.qwen3 import ModelArgs, TransformerBlock
+
+try:  # the repository's engine, for the few-query kernel rows (run from the repo root)
+    from dflash.engine import fewq, verifyattn
+except ImportError:  # pragma: no cover - the probe runs without it, minus those rows
+    fewq = verifyattn = None
 
 
 def timed(fn, repeats: int) -> float:
@@ -43,6 +54,14 @@ def probe(args: argparse.Namespace) -> dict:
             "down_proj": (inter, hidden)}
     weights = {k: (mx.random.normal(s) * 0.02).astype(dt) for k, s in mats.items()}
     mx.eval(weights)
+    block = TransformerBlock(ModelArgs(
+        model_type="qwen3", hidden_size=hidden, num_hidden_layers=1, intermediate_size=inter,
+        num_attention_heads=H, rms_norm_eps=1e-6, vocab_size=32, num_key_value_heads=KV,
+        max_position_embeddings=1 << 20, head_dim=D, tie_word_embeddings=True, rope_theta=1e6))
+    block.set_dtype(dt)
+    mx.eval(block.parameters())
+    kernel = (fewq is not None and verifyattn.cuda()
+              and verifyattn.configure() == "kernel")  # wraps MLX's attention inside active()
     scale = D ** -0.5
     rows = []
     for L in args.contexts:
@@ -86,12 +105,32 @@ def probe(args: argparse.Namespace) -> dict:
                 tol = 1e-4 if dt == mx.float32 else 2e-2
                 row["variants_agree"] = all(mx.allclose(ref, f(0).astype(mx.float32), atol=tol).item()
                                             for f in (explicit, one_by_one))
+                if kernel and fewq.supported(q, keys, vals):
+                    def fewq_attn(i: int) -> mx.array:
+                        n = at(i) + M
+                        return fewq.attention(q, keys[:, :, :n], vals[:, :, :n], scale, True)
+                    row["sdpa_fewq_ms"] = timed(fewq_attn, args.repeats)
+
+            cache = KVCache()
+            cache.keys, cache.values = mx.array(keys), mx.array(vals)  # the layer writes its own rows
+            xl = x[None]
+
+            def layer(i: int) -> mx.array:
+                cache.offset = at(i)  # a new length each call: the rows past it are overwritten
+                return block(xl, mask="causal" if M > 1 else None, cache=cache)
+            row["layer_ms"] = timed(layer, args.repeats)
+            if kernel and M > 1:
+                def layer_fewq(i: int) -> mx.array:
+                    with verifyattn.active():
+                        return layer(i)
+                row["layer_fewq_ms"] = timed(layer_fewq, args.repeats)
             rows.append(row)
             print(json.dumps({k: round(v, 3) if type(v) is float else v for k, v in row.items()}), flush=True)
     return {"device": str(mx.default_device()), "mlx": mx.__version__, "dtype": args.dtype,
             "shape": {"heads": H, "kv_heads": KV, "head_dim": D, "hidden": hidden, "intermediate": inter},
-            "method": "one layer's parts; medians of synced calls, each at a cache length not used before "
-                      "(L + i), after 3 warm-up calls at other lengths", "rows": rows}
+            "method": "one layer's parts, then the whole layer; medians of synced calls, each at a cache "
+                      "length not used before (L + i), after 3 warm-up calls at other lengths",
+            "attention_kernel": bool(kernel), "rows": rows}
 
 
 def main() -> None:
