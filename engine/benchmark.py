@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 import click
 import mlx.core as mx
 
-from . import accel, rollback, verifyattn
+from . import accel, rollback
 from . import tape as tape_mod
 from .benchplan import (
     Planner,
@@ -589,7 +589,7 @@ def method(cfg: BenchConfig, setup: Setup, runs: list[dict], first_time_used: bo
         "order": "alternating baseline/dflash per repeat",
         "cooldown_s": cfg.cooldown,
         "mlx_cuda_use_cudnn_sdpa": accel.sdpa_setting(),
-        "verify_attention": verifyattn.mode(),  # engine/verifyattn.py: mlx or the fewq kernel
+        "verify_attention": setup.target.verify_attention,  # engine/verifyattn.py: mlx or kernel
         "row_padding": {"dflash": setup.target.row_padding, "baseline": False,
                         "plan": setup.target.row_plan,
                         "what": "dflash's target forwards pad few-row products to the row count "

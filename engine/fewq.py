@@ -180,9 +180,10 @@ _scales: dict[float, mx.array] = {}
 
 def _kernel(name: str, inputs: list[str], outputs: list[str], source: str, smem: int = 0,
             header: str = ""):
-    name = f"{name}_{zlib.crc32(source.encode()):08x}"  # a changed source: a new name to the JIT cache
+    """The kernel object, made once per name (this runs in every layer's attention call)."""
     if name not in _kernels:
-        _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs,
+        jit_name = f"{name}_{zlib.crc32(source.encode()):08x}"  # a changed source: a new JIT name
+        _kernels[name] = mx.fast.cuda_kernel(name=jit_name, input_names=inputs, output_names=outputs,
                                             source=source, header=header,
                                             ensure_row_contiguous=False, shared_memory=smem)
     return _kernels[name]

@@ -82,7 +82,8 @@ class TargetModel:
                 layer.__class__ = _capturing_class(type(layer))
             layer.__dict__["_dflash_sink"] = None
         tape.install(self.layers)
-        verifyattn.configure()  # DFLASH_VERIFY_ATTN (read here: a bad value fails at load)
+        # DFLASH_VERIFY_ATTN, read here (a bad value fails at load): "mlx" or "kernel", what runs
+        self.verify_attention = verifyattn.configure()
         # few-row products padded to the row count the BLAS does fastest (CPU + MKL; rowpad.py)
         plans = rowpad.plan(model)
         rowpad.pad_rows(model, plans)

@@ -92,10 +92,12 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any = N
 
 
 def _sdpa(q: mx.array, k: mx.array, v: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+    """mx.fast.scaled_dot_product_attention as mlx-lm's models call it: a call of the plain form
+    (scale, mask, sinks=None) goes through `attention`; any other straight to MLX."""
     plain = (not args and "scale" in kwargs and set(kwargs) <= {"scale", "mask", "sinks"}
              and kwargs.get("sinks") is None)  # mlx-lm passes sinks=None
-    if active and plain and _takes(q, k, v, kwargs.get("mask")):
-        return fewq.attention(q, k, v, kwargs["scale"], causal=kwargs.get("mask") is not None)
+    if active and plain:
+        return attention(q, k, v, kwargs["scale"], kwargs.get("mask"))
     return _real_sdpa(q, k, v, *args, **kwargs)
 
 
