@@ -276,6 +276,10 @@ def summarize(ctx: int, base: list[dict], dfl: list[dict], fwd: dict | None,
         h = r["accept_histogram"]
         hist = [a + b for a, b in zip(hist, h)] if hist else list(h)
     speedup = d_tps / b_tps if b_tps > 0 else float("nan")
+    # each repeat's dflash run over the baseline run beside it: a machine that drifts between
+    # repeats (the H200 host moved mlx-lm's 1K baseline 110-166 tok/s in one process) moves both
+    pairs = [d["decode_tps"] / b["decode_tps"] for b, d in zip(base, dfl)
+             if b.get("decode_tps") and d.get("decode_tps") is not None]
     tau = _median(dfl, "tokens_per_cycle")
     lossless = [r["lossless"] for r in dfl]
     row = {
@@ -284,6 +288,7 @@ def summarize(ctx: int, base: list[dict], dfl: list[dict], fwd: dict | None,
         "baseline_decode_tps": b_tps,
         "dflash_decode_tps": d_tps,
         "speedup": speedup,
+        "speedup_paired": statistics.median(pairs) if pairs else float("nan"),
         "baseline_e2e_tps": _median(base, "e2e_tps"),
         "dflash_e2e_tps": _median(dfl, "e2e_tps"),
         "acceptance": _median(dfl, "acceptance"),
@@ -585,11 +590,13 @@ def method(cfg: BenchConfig, setup: Setup, runs: list[dict], first_time_used: bo
                       "offset >= prompt length) was run before in this process",
         "warmup_runs": cfg.warmup,
         "repeats": cfg.repeats,
-        "statistic": "median over repeats (every run in runs[])",
+        "statistic": "median over repeats (every run in runs[]); speedup_paired: the median of "
+                     "each repeat's dflash/baseline ratio",
         "order": "alternating baseline/dflash per repeat",
         "cooldown_s": cfg.cooldown,
         "mlx_cuda_use_cudnn_sdpa": accel.sdpa_setting(),
         "verify_attention": setup.target.verify_attention,  # engine/verifyattn.py: mlx or kernel
+        "pipelined": setup.target.pipelined,  # DFLASH_PIPELINE: verifies queued layer group by group
         "row_padding": {"dflash": setup.target.row_padding, "baseline": False,
                         "plan": setup.target.row_plan,
                         "what": "dflash's target forwards pad few-row products to the row count "

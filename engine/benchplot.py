@@ -15,6 +15,7 @@ _COLUMNS = [
     ("base tok/s", "baseline_decode_tps", "{:.1f}"),
     ("dflash tok/s", "dflash_decode_tps", "{:.1f}"),
     ("speedup", "speedup", "{:.2f}x"),
+    ("paired", "speedup_paired", "{:.2f}x"),
     ("accept", "acceptance", "{:.1%}"),
     ("tok/cycle", "tokens_per_cycle", "{:.2f}"),
     ("TTFT base ms", "baseline_ttft_s", "ms"),
@@ -64,7 +65,8 @@ def format_table(result: dict[str, Any]) -> str:
     note = (f"== method: first-time lengths {method.get('first_time_lengths')} (verified "
             f"{method.get('first_time_verified')}), warm-up {method.get('warmup_runs')}, "
             f"{method.get('repeats')} repeats, medians; MLX_CUDA_USE_CUDNN_SDPA="
-            f"{(method.get('mlx_cuda_use_cudnn_sdpa') or {}).get('value')}") if method else None
+            f"{(method.get('mlx_cuda_use_cudnn_sdpa') or {}).get('value')}, verify attention "
+            f"{method.get('verify_attention')}, pipelined {method.get('pipelined')}") if method else None
     return "\n".join([title, line(heads), rule] + [line(r) for r in rows] + ([note] if note else []))
 
 

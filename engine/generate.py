@@ -233,8 +233,11 @@ def stream_dflash_generate(
             return cyc
         flush()
         if draft_key is None or not drafter_samples:  # ids only: q is one-hot at them
-            return check(anchor, drafter.propose(anchor, pos, k - 1))
-        drafts, q = drafter.propose(anchor, pos, k - 1, sampling=DraftSampling(params, draft_key))
+            drafts, q = drafter.propose(anchor, pos, k - 1), None
+        else:
+            drafts, q = drafter.propose(anchor, pos, k - 1, sampling=DraftSampling(params, draft_key))
+        if target.pipelined:  # the draft runs on the device while the verify is built
+            mx.async_eval(drafts)
         return check(anchor, drafts, q)
 
     try:

@@ -57,7 +57,7 @@ def verify(
     block = (anchor if plain else mx.concatenate([anchor, drafts.astype(mx.int32)]))[None]
     tp = tape_mod.Tape() if record_tape else None
     with tape_mod.recording(tp):
-        logits, features = target.forward(block, caches)
+        logits, features = target.forward(block, caches, eager=not plain)
     if sampling is None:
         tokens = mx.argmax(logits[0], axis=-1).astype(mx.int32)
         accepted = mx.array(0, mx.int32) if plain else greedy_accept(drafts, tokens)

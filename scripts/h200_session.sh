@@ -15,14 +15,23 @@
 #   DATA=1          run the data phase (0: skip it; then DERIVE must be the cache's count)
 #   BUDGET=420      training seconds after the compile;  TOTAL_STEPS=...  the cosine's end
 #   RESTART_LR=4e-4 a warm restart at the resume step ("" for none);  W=75  seconds to wait a call
-# Hooks, in the ignored .devq/ (carried): .devq/job.sh runs once per content at the start of a
-# call (not while packing): the session's own GPU work beside the campaign; .devq/final.sh runs
-# after packdata (both GPUs free), and then the script prints ALL_DONE. pack/packdata write
+#   NGPU=2          GPUs (1 on nvidia-h200: give TRAIN_FLAGS="--seqs-per-batch 32" to keep the
+#                   2,048-block step);  TRAIN_FLAGS=...  more train-draft flags for the train phase
+#   PACKDATA=1      bring the data cache back (0: the cache did not change, DATA=0)
+# Hooks, in the ignored .devq/ (carried): .devq/env, sourced first at every call, overrides the
+# settings above for the calls still to come (the pump's command line stays as it is);
+# .devq/job.sh runs once per content at the start of a call (not while packing): the session's
+# own GPU work beside the campaign; .devq/final.sh runs after packdata (both GPUs free), and then
+# the script prints ALL_DONE. pack/packdata write
 # $OUT alone (8 files at most come back).
 set -uo pipefail
 N=$(ls -d .device/*/activate.sh 2>/dev/null | head -1)
 source "$N" > /tmp/act.log 2>&1 || { tail -5 /tmp/act.log; exit 1; }
+[ -f .devq/env ] && . .devq/env
 export MLX_CUDA_USE_CUDNN_SDPA=0 PYTHONUNBUFFERED=1 NGPU=${NGPU:-2}
+# DATA is this script's switch; train_smollm2_h200.sh reads DATA as the data cache's folder, so it
+# must not reach it (session 9: DATA=0 made the trainer look for its cache in ./0 and stop)
+DATA_PHASE=${DATA:-1}; unset DATA
 LOG=/tmp/train_stdout.log
 FLAGS="--gen-batch-size 2048 --num-prompts 0 --exclude-prompts /tmp/train_out/data/derived_prompts.jsonl --sampled-responses 0.5"
 RESTART=${RESTART_LR-4e-4}
@@ -40,12 +49,12 @@ if [ -f .devq/job.sh ] && [ "$phase" != pack ] && [ "$phase" != packdata ]; then
   id=$(md5sum .devq/job.sh | cut -c1-8)
   if [ ! -f "/tmp/devq_done_$id" ]; then
     touch "/tmp/devq_done_$id"; echo "== job $id"
-    timeout "${JOB_S:-240}" bash .devq/job.sh 2>&1 | tail -n 80; echo "== job $id rc ${PIPESTATUS[0]}"
+    timeout "${JOB_S:-420}" bash .devq/job.sh 2>&1 | tail -n 80; echo "== job $id rc ${PIPESTATUS[0]}"
   fi
 fi
 case $phase in
   data)
-    if [ "${DATA:-1}" = 1 ]; then
+    if [ "$DATA_PHASE" = 1 ]; then
       DERIVE=${DERIVE:?set DERIVE} bash scripts/h200_pair.sh data - $FLAGS
     else  # nothing to make: the training reads the staged cache
       echo TRAIN_DONE > "$LOG"
@@ -55,10 +64,10 @@ case $phase in
     grep -E "^\[data\]" "$LOG" | tail -3
     DERIVE=${DERIVE:?set DERIVE} TOTAL_STEPS=${TOTAL_STEPS:?set TOTAL_STEPS} bash scripts/h200_pair.sh start \
       "${BUDGET:-420}" /tmp/stage/files/draft --miss-anchor-frac 0.5 --early-anchor-frac 0.3 \
-      ${RESTART:+--restart-lr $RESTART} $FLAGS
+      ${RESTART:+--restart-lr $RESTART} $FLAGS ${TRAIN_FLAGS:-}
     touch /tmp/ph_train ;;
   pack) bash scripts/h200_pair.sh wait 0; bash scripts/h200_pair.sh pack; touch /tmp/ph_pack; exit 0 ;;
-  packdata) bash scripts/h200_pair.sh packdata; touch /tmp/ph_packdata; exit 0 ;;
+  packdata) [ "${PACKDATA:-1}" = 1 ] && bash scripts/h200_pair.sh packdata; touch /tmp/ph_packdata; exit 0 ;;
   final)
     touch /tmp/ph_final
     [ -f .devq/final.sh ] && timeout "${FINAL_S:-500}" bash .devq/final.sh 2>&1 | tail -n 60

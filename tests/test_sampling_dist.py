@@ -251,8 +251,8 @@ class Sharp:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._target, name)
 
-    def forward(self, tokens: mx.array, cache: list[Any], last_only: bool = False):
-        logits, features = self._target.forward(tokens, cache, last_only)
+    def forward(self, tokens: mx.array, cache: list[Any], last_only: bool = False, eager: bool = False):
+        logits, features = self._target.forward(tokens, cache, last_only, eager)
         return logits * self.scale, features
 
     def last_logits(self, seqs: Sequence[Sequence[int]]) -> mx.array:
