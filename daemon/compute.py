@@ -37,6 +37,7 @@ class Compute:
         self.vocab_size = 0
         # what earlier jobs' verify windows measured, greedy and sampled apart (engine/window.py)
         self.window_memory: dict[bool, Any] = {}
+        self.window_key: str | None = None  # this pair's entry in <state_dir>/window_memory.json
         self.counters = {"jobs_done": 0, "jobs_failed": 0, "jobs_cancelled": 0, "tokens_generated": 0}
 
     # ------------------------------------------------------------------ thread body
@@ -55,6 +56,7 @@ class Compute:
             self.pair = load_pair(self.cfg.model, self.cfg.draft, dtype=self.cfg.dtype)
             self.vocab_size = int(self.pair.target.vocab_size)
             log.info("loaded %s with draft %s", self.pair.model_path, self.pair.draft_path)
+            self._recall_windows()
             if self.cfg.cache:
                 self.prefix_cache = caching.build_prefix_cache(self.cfg, self.pair)
         except Exception as e:  # the worker stays up and answers not_ready with the reason
@@ -137,6 +139,7 @@ class Compute:
                 final = ev
             elif job.stream and (ev.text or ev.token_ids):
                 self._emit(job, P.Delta(job_id=job.job_id, text=ev.text, token_ids=ev.token_ids, from_draft=ev.from_draft))
+        self._keep_windows()
         if self.prefix_cache is not None:
             # Snapshots go to L2 on a writer thread; a job is reported done only once its own
             # are on their way (usually long since: they are encoded while decoding), so they
@@ -149,6 +152,25 @@ class Compute:
         self.counters["tokens_generated"] += len(final.token_ids)
         done = P.Done(job_id=job.job_id, text=final.text, token_ids=final.token_ids, stats=stats, finish_reason=reason)
         return done, ("cancelled" if reason == "cancelled" else "done")
+
+    def _recall_windows(self) -> None:
+        """What the last worker of this pair measured (daemon/windowstore.py)."""
+        import mlx.core as mx
+
+        from . import windowstore
+
+        self.window_key = windowstore.pair_key(self.pair.model_path, self.pair.draft_path, self.cfg.dtype,
+                                               str(mx.default_device()))
+        self.window_memory = windowstore.load(self.cfg.state_path(), self.window_key)
+        if self.window_memory:
+            log.info("verify window: starting from %s", {("greedy" if g else "sampled"): asdict(m)
+                                                          for g, m in self.window_memory.items()})
+
+    def _keep_windows(self) -> None:
+        from . import windowstore
+
+        if self.window_key is not None:
+            windowstore.save(self.cfg.state_path(), self.window_key, self.window_memory)
 
     def _window_memory(self, greedy: bool) -> Any:
         """One WindowMemory per decoding kind for the loaded pair: a job starts from what the

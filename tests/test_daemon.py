@@ -215,3 +215,32 @@ def test_a_job_starts_from_what_the_earlier_jobs_window_measured(make_daemon, ti
     assert runs[0].token_ids == runs[1].token_ids == reference(tiny_pair, PROMPTS[1], 40)[1]
     drafted = [r.stats["cycles"] - r.stats["plain_steps"] - r.stats["copy_cycles"] for r in runs]
     assert drafted[1] < drafted[0], [r.stats for r in runs]
+
+
+def test_what_the_window_measured_survives_a_worker_restart(make_daemon, tiny_pair):  # noqa: F811
+    """<state_dir>/window_memory.json (daemon/windowstore.py): a new worker of the same pair starts
+    from what the last one measured, so the first job after a restart does not explore again."""
+    d = make_daemon()
+    with d.client(timeout=60) as c:
+        first = c.generate(PROMPTS[1], max_tokens=40)
+        saved = json.loads((d.cfg.state_path() / "window_memory.json").read_text())
+        (entry,) = saved["pairs"].values()
+        assert entry["greedy"]["p"] is not None and entry["greedy"]["d"] is not None, entry
+        pid = c.stats()["pid"]
+        os.kill(pid, signal.SIGKILL)
+        end = time.monotonic() + 60
+        while time.monotonic() < end:  # the supervisor starts a new worker
+            try:
+                st = c.stats()
+                if st["pid"] != pid and st["state"] == "ready":
+                    break
+            except Exception:  # noqa: BLE001 - the worker is away while it restarts
+                pass
+            time.sleep(0.1)
+        again = c.generate(PROMPTS[1], max_tokens=40)
+    assert again.token_ids == first.token_ids == reference(tiny_pair, PROMPTS[1], 40)[1]
+    assert "verify window: starting from" in d.logs()  # the new worker read the file
+    # the first job of a fresh worker opens at the built-in prior (acceptance 0.8: a wide window);
+    # the restarted one knew this draft is rarely accepted and ran plain steps and narrow probes
+    verified = [round(r.stats["mean_verify_window"] * r.stats["cycles"]) for r in (first, again)]
+    assert verified[1] <= verified[0] - 4, [r.stats for r in (first, again)]
