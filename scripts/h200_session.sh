@@ -21,9 +21,8 @@
 # Hooks, in the ignored .devq/ (carried): .devq/env, sourced first at every call, overrides the
 # settings above for the calls still to come (the pump's command line stays as it is);
 # .devq/job.sh runs once per content at the start of a call (not while packing): the session's
-# own GPU work beside the campaign; .devq/final.sh runs after packdata (both GPUs free), and then
-# the script prints ALL_DONE. pack/packdata write
-# $OUT alone (8 files at most come back).
+# own GPU work beside the campaign; .devq/final.sh runs after packdata (the GPUs free), and then
+# the script prints ALL_DONE. pack/packdata write $OUT alone (8 files at most come back).
 set -uo pipefail
 N=$(ls -d .device/*/activate.sh 2>/dev/null | head -1)
 source "$N" > /tmp/act.log 2>&1 || { tail -5 /tmp/act.log; exit 1; }

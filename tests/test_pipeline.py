@@ -71,3 +71,18 @@ def test_not_pipelined_nothing_is_queued_early(tiny_dirs, monkeypatch, queued):
     ids = pair.tokenizer.encode(PROMPT)
     run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, 24, verify_window="full")
     assert queued.count(1) == 0, queued
+
+
+def test_pipelining_never_changes_a_seeded_sampled_run(tiny_dirs, monkeypatch):
+    """Only the order of evaluation changes: the same seed and window give the same draws."""
+    ids_by_mode = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv(target_mod.PIPELINE_ENV, mode)
+        pair = load_pair(tiny_dirs["llama"], tiny_dirs["llama"] / "draft")
+        assert pair.target.pipelined is (mode == "1")
+        ids = pair.tokenizer.encode(PROMPT)
+        final, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, 32, verify_window=4,
+                              temperature=0.8, top_p=0.95, seed=11)
+        assert final.stats.cycles > 0
+        ids_by_mode[mode] = final.token_ids
+    assert ids_by_mode["0"] == ids_by_mode["1"]
