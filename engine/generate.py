@@ -62,8 +62,8 @@ class GenerationStats:
     plain_steps: int = 0  # cycles run as plain decode steps (window 1: drafting did not pay)
     copy_cycles: int = 0  # cycles that verified a copy proposal instead of the model's draft
     copy_accepted: int = 0  # copied tokens accepted (part of accepted_drafts)
-    # decode tok/s x the plain-step time the window measured in this very run: how much faster
-    # than plain decoding this generation went (an estimate; 0 when no plain step was timed)
+    # decode tok/s x the mean plain-step time measured in this very run: how much faster than
+    # plain decoding this generation went (an estimate; 0 when no plain step was timed)
     est_speedup: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -299,8 +299,9 @@ def stream_dflash_generate(
     stats.mean_verify_window = verified_tokens / max(stats.cycles, 1)
     stats.total_s = t_end - t_start
     stats.decode_tps = (stats.generated_tokens - 1) / max(t_end - t_first, 1e-9)
-    if window.step_s and stats.generated_tokens > 1:
-        stats.est_speedup = stats.decode_tps * window.step_s
+    step_s = window.plain_step_mean or window.step_s
+    if step_s and stats.generated_tokens > 1:
+        stats.est_speedup = stats.decode_tps * step_s
     stats.peak_memory_gb = _peak_memory_gb()
     stats.finish_reason = reason
     yield from out.drain(final=True)

@@ -139,6 +139,9 @@ class VerifyWindow:
         self.v = verify_costs(prior, block_size)  # v[k]: a k-token verify, in decode steps
         self.step_s: float | None = None  # measured seconds of a plain step (recent median)
         self._steps: deque[float] = deque(maxlen=9)
+        # every pipelined plain step of the run (one right after another plain step), for the
+        # speedup estimate: its mean, not the policy's median, as a whole plain run would pay
+        self._plain_total, self._plain_count, self._last_plain = 0.0, 0, False
         self._draft_cycles = 0  # observed draft cycles; the first one's time is not used
         self._d_measured = False
         self.cycles = 0
@@ -177,6 +180,12 @@ class VerifyWindow:
             m.p = self.p
         if self.copy.observed:
             m.copy_p, m.o = self.copy.p, self.o
+
+    @property
+    def plain_step_mean(self) -> float | None:
+        """Mean seconds of this run's pipelined plain steps (None before one): what a token of
+        plain decoding costs here, the VM's stalls included as they hit every cycle alike."""
+        return self._plain_total / self._plain_count if self._plain_count else None
 
     def best(self) -> tuple[int, float]:
         """The window k >= 2 with the highest expected tokens per decode-step time, and that rate."""
@@ -230,6 +239,7 @@ class VerifyWindow:
         """A cycle verified window-1 drafts (`copied`: a copy proposal's), accepted the first
         `accepted`, and took `seconds`."""
         self.cycles += 1
+        after_plain, self._last_plain = self._last_plain, window == 1 and not copied
         if copied:  # not a draft cycle: the model's estimates and the probe schedule stay
             self._since_draft += 1
             self._since_step += 1
@@ -243,6 +253,9 @@ class VerifyWindow:
             if seconds is not None and seconds > 0:
                 self._steps.append(seconds)
                 self.step_s = statistics.median(self._steps)
+                if after_plain:
+                    self._plain_total += seconds
+                    self._plain_count += 1
             return
         self._since_draft = 0
         self._since_step += 1

@@ -65,6 +65,24 @@ def test_step_time_is_a_median_an_unpipelined_step_does_not_skew_it() -> None:
     assert w.step_s == pytest.approx(STEP)
 
 
+def test_the_speedup_estimate_uses_the_mean_of_pipelined_plain_steps() -> None:
+    """The policy decides on a median; the estimate (stats.est_speedup) needs what plain decoding
+    would pay per token, the VM's stalls included: the mean, over plain steps that follow a
+    plain step (the first one, and one after a draft or copy cycle, is not pipelined)."""
+    w = VerifyWindow(16, "auto")
+    assert w.plain_step_mean is None
+    w.observe(1, 0, 5 * STEP)  # the first: not pipelined
+    for s in (STEP, 3 * STEP):  # a stall counts in the mean (not in the median of the policy)
+        w.observe(1, 0, s)
+    w.observe(4, 0, 6 * STEP)  # a draft cycle
+    w.observe(1, 0, 9 * STEP)  # right after it: not pipelined
+    w.observe(3, 2, 2 * STEP, copied=True)  # a copy cycle
+    w.observe(1, 0, 9 * STEP)  # right after it: not pipelined
+    w.observe(1, 0, 2 * STEP)
+    assert w.plain_step_mean == pytest.approx(2 * STEP)  # (1 + 3 + 2) / 3
+    assert w.step_s == pytest.approx(4 * STEP)  # the median of all six plain steps
+
+
 def test_fixed_windows_and_targets_without_plain_steps() -> None:
     assert VerifyWindow(16, 1).next() == 1
     w = VerifyWindow(16, "auto", allow_plain=False)
