@@ -54,19 +54,21 @@ def verify(
     """
     plain = drafts.shape[0] == 0  # a plain decode step: nothing to accept, no ops spent on it
     anchor = anchor.reshape(1).astype(mx.int32)
-    block = (anchor if plain else mx.concatenate([anchor, drafts.astype(mx.int32)]))[None]
+    drafts = drafts.astype(mx.int32)
+    block = (anchor if plain else mx.concatenate([anchor, drafts]))[None]
     tp = tape_mod.Tape() if record_tape else None
     with tape_mod.recording(tp):
         logits, features = target.forward(block, caches, eager=not plain)
+    accepted = mx.array(0, mx.int32)  # what a plain step accepts
     if sampling is None:
         tokens = mx.argmax(logits[0], axis=-1).astype(mx.int32)
-        accepted = mx.array(0, mx.int32) if plain else greedy_accept(drafts, tokens)
+        if not plain:
+            accepted = greedy_accept(drafts, tokens)
     elif plain:  # one draw from p
         tokens = sampling_mod.sample(logits[0], sampling, key)
-        accepted = mx.array(0, mx.int32)
     else:
         p = sampling_mod.probs(logits[0], sampling)
-        accepted, tokens = sampling_mod.accept(p, drafts.astype(mx.int32), q, key)
+        accepted, tokens = sampling_mod.accept(p, drafts, q, key)
     summary = mx.concatenate([accepted.reshape(1).astype(mx.int32), tokens])
     mx.async_eval(summary, features)
     return Verified(block.shape[1], tokens, features, tp, summary)
