@@ -172,6 +172,7 @@ def run_dflash(
         accepted_drafts=s.accepted_drafts,
         accept_histogram=list(s.accept_histogram),
         copy_cycles=s.copy_cycles,
+        run_ahead=s.run_ahead,
         engine_stats=s.to_dict(),
     )
     return list(final.token_ids), rec
@@ -597,6 +598,7 @@ def method(cfg: BenchConfig, setup: Setup, runs: list[dict], first_time_used: bo
         "mlx_cuda_use_cudnn_sdpa": accel.sdpa_setting(),
         "verify_attention": setup.target.verify_attention,  # engine/verifyattn.py: mlx or kernel
         "pipelined": setup.target.pipelined,  # DFLASH_PIPELINE: verifies queued layer group by group
+        "run_ahead": setup.target.run_ahead,  # DFLASH_RUNAHEAD: next draft queued before the read
         "row_padding": {"dflash": setup.target.row_padding, "baseline": False,
                         "plan": setup.target.row_plan,
                         "what": "dflash's target forwards pad few-row products to the row count "

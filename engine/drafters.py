@@ -37,6 +37,10 @@ class Drafter(Protocol):
 
     def add_context(self, features: mx.array) -> None: ...
 
+    def trim(self, rows: int) -> None:
+        """Drop the last `rows` context rows (a run-ahead block not wholly accepted)."""
+        ...
+
     def propose(
         self,
         anchor: mx.array,
@@ -85,6 +89,10 @@ class DFlashDrafter:
 
     def add_context(self, features: mx.array) -> None:
         self.draft.add_context(features.astype(self.draft.fc.weight.dtype), self.cache)
+
+    def trim(self, rows: int) -> None:
+        for c in self.cache:
+            c.trim(rows)
 
     def propose(
         self,
@@ -137,6 +145,9 @@ class OracleDrafter:
         pass
 
     def add_context(self, features: mx.array) -> None:
+        pass
+
+    def trim(self, rows: int) -> None:
         pass
 
     def propose(

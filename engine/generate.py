@@ -62,6 +62,7 @@ class GenerationStats:
     plain_steps: int = 0  # cycles run as plain decode steps (window 1: drafting did not pay)
     copy_cycles: int = 0  # cycles that verified a copy proposal instead of the model's draft
     copy_accepted: int = 0  # copied tokens accepted (part of accepted_drafts)
+    run_ahead: int = 0  # draft cycles whose draft was queued during the previous verify
     # decode tok/s x the mean plain-step time measured in this very run: how much faster than
     # plain decoding this generation went (an estimate; 0 when no plain step was timed)
     est_speedup: float = 0.0
@@ -221,7 +222,17 @@ def stream_dflash_generate(
         k, copying = window.plan(len(copy), match / proposer.min_ngram if proposer else 1.0)
         return k, copy[: k - 1] if copying else []
 
-    def launch(anchor: mx.array, pos: int) -> Verified:
+    # Run-ahead (pipelined targets, greedy): when a draft cycle is likely to have all its drafts
+    # accepted, its whole block goes into the draft's context and the next cycle's draft (all
+    # B-1 rows) is queued behind its verify, before the verify is read: the device goes from
+    # the verify straight into the next draft while the host reads, rewinds and hands out
+    # tokens. A block not wholly accepted trims the rows past the kept ones (a context row
+    # depends on its own feature row only) and the queued draft is dropped: a wasted draft pass,
+    # hence the bet only when likely (window.likely_full). The output never depends on it.
+    runs_ahead = target.run_ahead and keys is None and feeds_draft
+
+    def launch(anchor: mx.array, pos: int, ready: mx.array | None = None) -> Verified:
+        """Queue the next cycle; `ready`: its draft, run ahead by the previous cycle."""
         k, copy = plan()  # k 1: a plain decode step, no draft pass (see window.py)
         if k == 1:
             return check(anchor, no_drafts)
@@ -231,14 +242,25 @@ def stream_dflash_generate(
             cyc = check(anchor, mx.array(copy, dtype=mx.int32))
             cyc.copied = True
             return cyc
-        flush()
-        if draft_key is None or not drafter_samples:  # ids only: q is one-hot at them
-            drafts, q = drafter.propose(anchor, pos, k - 1), None
+        if ready is not None:  # greedy only: ids of the first k-1 rows, as propose(k-1) gives
+            drafts, q = ready[: k - 1], None
+            stats.run_ahead += 1
         else:
-            drafts, q = drafter.propose(anchor, pos, k - 1, sampling=DraftSampling(params, draft_key))
-        if target.pipelined:  # the draft runs on the device while the verify is built
-            mx.async_eval(drafts)
-        return check(anchor, drafts, q)
+            flush()
+            if draft_key is None or not drafter_samples:  # ids only: q is one-hot at them
+                drafts, q = drafter.propose(anchor, pos, k - 1), None
+            else:
+                drafts, q = drafter.propose(anchor, pos, k - 1,
+                                            sampling=DraftSampling(params, draft_key))
+            if target.pipelined:  # the draft runs on the device while the verify is built
+                mx.async_eval(drafts)
+        cyc = check(anchor, drafts, q)
+        if runs_ahead and window.likely_full(k):
+            flush()
+            drafter.add_context(cyc.features)
+            cyc.ahead = drafter.propose(cyc.tokens[k - 1], pos + k)
+            mx.async_eval(cyc.ahead)
+        return cyc
 
     try:
         done = out.push([first], [False], eos, max_tokens)
@@ -267,7 +289,13 @@ def stream_dflash_generate(
             accepted = values[0]
             n_keep = accepted + 1
             rollback.rewind(caches, target.layers, n_keep, cyc.block_len, cyc.tape)
-            if not ahead:
+            ready = None
+            if cyc.ahead is not None:  # the draft's context holds the whole block already
+                if n_keep == cyc.block_len:
+                    ready = cyc.ahead
+                else:
+                    drafter.trim(cyc.block_len - n_keep)
+            elif not ahead:
                 feed(cyc.features[:, :n_keep])
             stats.cycles += 1
             stats.plain_steps += cyc.block_len == 1
@@ -283,13 +311,15 @@ def stream_dflash_generate(
             done = out.push(new, [True] * accepted + [False], eos, max_tokens)
             pos += n_keep
             if not done and not ahead:
-                inflight = launch(cyc.tokens[accepted], pos)
+                inflight = launch(cyc.tokens[accepted], pos, ready)
             yield from out.drain()
             done = done or out.reason != ""
         reason = out.reason or "length"
     finally:
         if inflight is not None:  # queued but never used: undo it entirely
             rollback.rewind(caches, target.layers, 0, inflight.block_len, inflight.tape)
+            if inflight.ahead is not None:
+                drafter.trim(inflight.block_len)
         if window_memory is not None:
             window.remember(window_memory)
     t_end = time.perf_counter()

@@ -12,6 +12,11 @@ mlx-lm 6.6 ms). Queuing each captured layer's output (mx.async_eval) as soon as 
 the GPU run the first layers while Python builds the next ones.
 
     DFLASH_PIPELINE=auto  (default) on a GPU;  =1 always;  =0 never
+
+Pipelined targets also run ahead (engine/generate.py): when a cycle's drafts are likely all
+accepted, the next cycle's draft is queued behind its verify before the verify is read, so
+the device goes from one verify to the next draft without waiting for the host.
+DFLASH_RUNAHEAD=0 turns that part off (for A/B measurements).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from . import rowpad, tape, verifyattn
 
 _CAPTURE_CLASSES: dict[type, type] = {}
 PIPELINE_ENV = "DFLASH_PIPELINE"
+RUNAHEAD_ENV = "DFLASH_RUNAHEAD"
 
 
 class _Sink(list):
@@ -111,6 +117,7 @@ class TargetModel:
         # DFLASH_VERIFY_ATTN, read here (a bad value fails at load): "mlx" or "kernel", what runs
         self.verify_attention = verifyattn.configure()
         self.pipelined = pipelined_default()  # DFLASH_PIPELINE, read once at load
+        self.run_ahead = self.pipelined and os.environ.get(RUNAHEAD_ENV, "1").strip() != "0"
         # few-row products padded to the row count the BLAS does fastest (CPU + MKL; rowpad.py)
         plans = rowpad.plan(model)
         rowpad.pad_rows(model, plans)

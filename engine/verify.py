@@ -29,6 +29,9 @@ class Verified:
     tape: tape_mod.Tape | None
     summary: mx.array  # (1 + B,): [accepted drafts, tokens...]
     copied: bool = False  # the drafts were a copy proposal (engine/lookup.py), not the model's
+    # the next cycle's draft, queued behind this verify on the bet that all its drafts are
+    # accepted (engine/generate.py, run-ahead); the draft's context already holds this block
+    ahead: mx.array | None = None
 
 
 def greedy_accept(drafts: mx.array, greedy: mx.array) -> mx.array:

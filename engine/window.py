@@ -192,6 +192,11 @@ class VerifyWindow:
         return max(((k, rate(self.p, k, self.d, self.v[k])) for k in range(2, self.block_size + 1)),
                    key=lambda t: t[1])
 
+    def likely_full(self, window: int) -> bool:
+        """Whether a cycle of this window is likelier than not to have every draft accepted
+        (p^(k-1) >= 1/2): then the next cycle's draft is worth queueing before it is read."""
+        return window >= 2 and self.p ** (window - 1) >= 0.5
+
     def next(self) -> int:
         """The window of the next cycle without copy drafting (1: a plain step)."""
         return self._model()[0]

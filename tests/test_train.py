@@ -380,6 +380,21 @@ def test_excluded_prompts_are_not_generated_or_trained(looping: Path, tmp_path: 
     assert got <= {p for _, p in prompts[5:]} and not got & {p for _, p in prompts[:5]}
 
 
+def test_an_exclude_list_that_is_a_shard_is_refused(tmp_path: Path):
+    """The list of prompts not to train on must not be the file this run appends its new prompts
+    to: a later run would exclude them too (session 10 lost its 29K fresh prompts that way)."""
+    from dflash.engine.training.data import check_exclude_file
+
+    data = tmp_path / "data"
+    data.mkdir()
+    with pytest.raises(ValueError, match="appends new prompts"):
+        check_exclude_file(data / "derived_prompts.jsonl", data, 1)
+    with pytest.raises(ValueError, match="2 ranks"):
+        check_exclude_file(str(data / "derived_prompts.1of2.jsonl"), data, 2)
+    check_exclude_file(data / "derived_prompts.jsonl", data, 2)  # 2 ranks write RofN shards
+    check_exclude_file(data / "derived_prompts.excluded.jsonl", data, 1)
+
+
 def test_sampled_share_of_responses(looping: Path, tmp_path: Path):
     """--sampled-responses: the prompts data.is_sampled picks (a fixed hash of the text) are
     answered by sampling at --response-temperature, the rest greedily; each sample says which."""

@@ -438,6 +438,20 @@ def shard_name(stem: str, rank: int, size: int) -> str:
     return f"{stem}.jsonl" if size == 1 else f"{stem}.{rank}of{size}.jsonl"
 
 
+def check_exclude_file(path: str | Path, data_dir: Path, size: int) -> None:
+    """Refuse an --exclude-prompts file that a rank of this run appends its new prompts to: a
+    later run reading it would exclude this run's fresh prompts too (session 10, one GPU: the
+    staged derived_prompts.jsonl was both the list and the shard, and the 29K new prompts were
+    never trained on)."""
+    shards = {(data_dir / shard_name("derived_prompts", r, size)).resolve() for r in range(size)}
+    if Path(path).resolve() in shards:
+        raise ValueError(
+            f"--exclude-prompts {path} is the file this run appends new prompts to "
+            f"({'one process' if size == 1 else f'{size} ranks'}); keep the list under another "
+            f"name, e.g. {data_dir / 'derived_prompts.excluded.jsonl'} (every derived_prompts*.jsonl "
+            "in the cache still counts for the draws)")
+
+
 def _all_derived(data_dir: Path) -> list[tuple[str, str]]:
     out, seen = [], set()
     for f in sorted(data_dir.glob("derived_prompts*.jsonl")):

@@ -270,6 +270,8 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
     # --exclude-prompts: earlier sessions' prompts still count for deriving new ones (their number
     # seeds the draw) but are not trained on, so a session can spend its generation time on fresh
     # prompts only instead of regenerating responses the draft has already seen several times.
+    if opts.exclude_prompts:
+        td.check_exclude_file(opts.exclude_prompts, data_dir, dist.size)
     skip = {p for _, p in td.load_prompt_file(opts.exclude_prompts)} if opts.exclude_prompts else set()
     prompts = td.load_prompt_file(opts.prompts) if opts.prompts else td.builtin_prompts(opts.num_prompts, opts.seed)
     derived = td.cached_derived_prompts(model, tokenizer, opts.derive_prompts, data_dir, opts.seed,
