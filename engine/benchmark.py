@@ -596,7 +596,7 @@ def method(cfg: BenchConfig, setup: Setup, runs: list[dict], first_time_used: bo
         "order": "alternating baseline/dflash per repeat",
         "cooldown_s": cfg.cooldown,
         "mlx_cuda_use_cudnn_sdpa": accel.sdpa_setting(),
-        "verify_attention": setup.target.verify_attention,  # engine/verifyattn.py: mlx or kernel
+        "verify_attention": setup.target.verify_attention,  # engine/verifyattn.py: mlx, kernel, fastexp
         "pipelined": setup.target.pipelined,  # DFLASH_PIPELINE: verifies queued layer group by group
         "run_ahead": setup.target.run_ahead,  # DFLASH_RUNAHEAD: next draft queued before the read
         "row_padding": {"dflash": setup.target.row_padding, "baseline": False,

@@ -1,19 +1,23 @@
-"""Which attention the cycle's few-query forwards use: MLX's, or our fused CUDA kernel (fewq.py).
+"""Which attention the cycle's few-query forwards use: MLX's, or our own (fewq.py, cpuattn.py).
 
 A verify is one target forward of up to 16 tokens over the whole cache, and a draft pass is 16
 block queries over the context; MLX 0.32 on CUDA runs those (4 or more queries, cuDNN off) as
 unfused matmul + mask + softmax + matmul, most of what a verify costs beyond a decode step
-(fewq.py). The setting:
+(fewq.py), and on the CPU its exp makes the softmax most of a few-query attention (cpuattn.py).
+The setting:
 
-    DFLASH_VERIFY_ATTN=auto    (default) the kernel on a CUDA GPU where a first small call of it
-                               matches the plain maths (else a warning and MLX's), MLX's elsewhere
-    DFLASH_VERIFY_ATTN=mlx     MLX's attention, as mlx-lm calls it
-    DFLASH_VERIFY_ATTN=kernel  the kernel (a CUDA GPU is required: an error at load otherwise)
+    DFLASH_VERIFY_ATTN=auto     (default) the kernel on a CUDA GPU where a first small call of it
+                                matches the plain maths (else a warning and MLX's); the fast-exp
+                                attention on the CPU
+    DFLASH_VERIFY_ATTN=mlx      MLX's attention, as mlx-lm calls it
+    DFLASH_VERIFY_ATTN=kernel   the CUDA kernel (a CUDA GPU is required: an error at load otherwise)
+    DFLASH_VERIFY_ATTN=fastexp  the fast-exp attention (fp32 calls; meant for the CPU)
 
 It acts only inside `active()`, which the target's own forwards enter (engine/target.py), and in
 the draft's attention (`attention()`), so mlx-lm running the same model (the benchmark's
-baseline) is untouched. Shapes the kernel does not take (fewq.supported: under 4 or over 16
-queries, other head dims, masks other than causal/none) go to MLX as before.
+baseline) is untouched. Shapes ours do not take (fewq.supported: under 4 or over 16 queries,
+other head dims; cpuattn.supported: under 2 or over 16 queries, not fp32; masks other than
+causal/none) go to MLX as before.
 
 Measured and dropped: an explicit boolean causal mask instead of MLX's "causal" path (faster for
 one layer at 1K keys, 0.17 against 0.32 ms, but the whole 1K oracle fell from 4.73x to 3.79x on
@@ -28,14 +32,15 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import fewq
+from . import cpuattn, fewq
 from .scope import Scope
 
 ENV = "DFLASH_VERIFY_ATTN"
-MODES = ("auto", "mlx", "kernel")
+MODES = ("auto", "mlx", "kernel", "fastexp")
 active = Scope()  # the target's own forwards are inside (TargetModel enters it)
-_real_sdpa = None  # mx.fast.scaled_dot_product_attention, once configure() has wrapped it
-_kernel = False  # as of the last configure(): read once per model load, not per attention call
+_MLX_SDPA = mx.fast.scaled_dot_product_attention  # MLX's own, as this module found it
+_real_sdpa = None  # what configure() wrapped (None: MLX's own)
+_chosen = "mlx"  # as of the last configure(): read once per model load, not per attention call
 _works: bool | None = None  # the auto mode's one check of the kernel, once per process
 
 
@@ -65,30 +70,39 @@ def kernel_works() -> bool:
 
 
 def mode() -> str:
-    """The setting, resolved: "mlx" or "kernel" (a bad value or an impossible one raises)."""
+    """The setting, resolved: "mlx", "kernel" or "fastexp" (a bad value or an impossible one
+    raises)."""
     value = os.environ.get(ENV, "auto").strip() or "auto"
     if value not in MODES:
         raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(MODES)}")
     if value == "kernel" and not cuda():
         raise ValueError(f"{ENV}=kernel needs MLX on a CUDA GPU (this is {mx.default_device()})")
     if value == "auto":
-        return "kernel" if cuda() and kernel_works() else "mlx"
+        if cuda():
+            return "kernel" if kernel_works() else "mlx"
+        return "fastexp" if mx.default_device() == mx.cpu else "mlx"
     return value
 
 
-def _takes(q: mx.array, k: mx.array, v: mx.array, mask: Any) -> bool:
-    """The kernel is on, and takes this call: no mask or the causal one, a shape it runs."""
-    plain_mask = mask is None or (isinstance(mask, str) and mask == "causal")
-    return _kernel and plain_mask and fewq.supported(q, k, v)
+def _ours(q: mx.array, k: mx.array, v: mx.array, mask: Any) -> str | None:
+    """Which of ours takes this call ("kernel", "fastexp"), or None: MLX's."""
+    if _chosen == "kernel":
+        plain_mask = mask is None or (isinstance(mask, str) and mask == "causal")
+        return "kernel" if plain_mask and fewq.supported(q, k, v) else None
+    if _chosen == "fastexp":
+        return "fastexp" if cpuattn.supported(q, k, v, mask) else None
+    return None
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Any = None) -> mx.array:
-    """Scaled dot-product attention: the kernel inside `active()` where it applies, else MLX's
+    """Scaled dot-product attention: ours inside `active()` where it applies, else MLX's
     (training's differentiated passes stay outside: the kernel has no gradient)."""
-    if active and _takes(q, k, v, mask):
+    which = _ours(q, k, v, mask) if active else None
+    if which == "kernel":
         return fewq.attention(q, k, v, scale, causal=mask is not None)
-    sdpa = _real_sdpa or mx.fast.scaled_dot_product_attention
-    return sdpa(q, k, v, scale=scale, mask=mask)
+    if which == "fastexp":
+        return cpuattn.attention(q, k, v, scale, causal=mask is not None)
+    return (_real_sdpa or _MLX_SDPA)(q, k, v, scale=scale, mask=mask)
 
 
 def _sdpa(q: mx.array, k: mx.array, v: mx.array, *args: Any, **kwargs: Any) -> mx.array:
@@ -98,17 +112,16 @@ def _sdpa(q: mx.array, k: mx.array, v: mx.array, *args: Any, **kwargs: Any) -> m
              and kwargs.get("sinks") is None)  # mlx-lm passes sinks=None
     if active and plain:
         return attention(q, k, v, kwargs["scale"], kwargs.get("mask"))
-    return _real_sdpa(q, k, v, *args, **kwargs)
+    return (_real_sdpa or _MLX_SDPA)(q, k, v, *args, **kwargs)
 
 
 def configure() -> str:
-    """Read the setting (a bad value raises here, at load) and, the first time it picks the
-    kernel, wrap mx.fast.scaled_dot_product_attention (mlx-lm's models look it up at every call);
+    """Read the setting (a bad value raises here, at load) and, the first time it picks one of
+    ours, wrap mx.fast.scaled_dot_product_attention (mlx-lm's models look it up at every call);
     outside `active()`, or with the setting back at mlx, the wrapper only passes through."""
-    global _real_sdpa, _kernel
-    chosen = mode()
-    _kernel = chosen == "kernel"
-    if _kernel and _real_sdpa is None:
+    global _real_sdpa, _chosen
+    chosen = _chosen = mode()
+    if chosen != "mlx" and mx.fast.scaled_dot_product_attention is not _sdpa:  # never wrap twice
         _real_sdpa = mx.fast.scaled_dot_product_attention
         mx.fast.scaled_dot_product_attention = _sdpa
     return chosen

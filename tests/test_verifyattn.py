@@ -1,10 +1,12 @@
-"""DFLASH_VERIFY_ATTN (engine/verifyattn.py) and the few-query kernel's maths (engine/fewq.py).
+"""DFLASH_VERIFY_ATTN (engine/verifyattn.py), the few-query kernel's maths (engine/fewq.py) and
+the CPU's fast-exp attention (engine/cpuattn.py).
 
 The CUDA kernel itself only runs on a CUDA GPU (scripts/fewq_check.py checks it there against
 fewq.reference). Here, on the CPU: the setting, the shapes the kernel takes, its chunking, that
 fewq.reference is MLX's attention, and the routing: with the kernel's place taken by
 fewq.reference (the same maths in plain MLX ops), the verify's and the draft's few-query
 attentions go through it, mlx-lm's own decode never does, and the ids stay mlx-lm's greedy ids.
+The same for the fast-exp attention, which runs here for real; and its maths against MLX's.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from conftest import ARCHS
-from dflash.engine import fewq, verifyattn
+from dflash.engine import cpuattn, fewq, verifyattn
 from dflash.engine.loading import load_pair
 from helpers import cut_at_eos, greedy_reference, run_dflash
 
@@ -23,9 +26,9 @@ PROMPT = "def fibonacci(n):\n    a, b = 0, 1\n"
 
 
 def test_the_setting_is_resolved_and_a_bad_one_is_a_clear_error(monkeypatch):
-    for value in ("", "auto", "mlx"):
+    for value, want in (("", "fastexp"), ("auto", "fastexp"), ("mlx", "mlx"), ("fastexp", "fastexp")):
         monkeypatch.setenv(verifyattn.ENV, value)
-        assert verifyattn.mode() == "mlx"  # this machine has no CUDA GPU
+        assert verifyattn.mode() == want  # this machine has no CUDA GPU: auto is the CPU's
     monkeypatch.setenv(verifyattn.ENV, "kernel")
     with pytest.raises(ValueError, match="CUDA"):
         verifyattn.mode()
@@ -114,7 +117,7 @@ def kernel_by_reference(monkeypatch):
 
     monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", mx.fast.scaled_dot_product_attention)
     monkeypatch.setattr(verifyattn, "_real_sdpa", None)
-    monkeypatch.setattr(verifyattn, "_kernel", False)
+    monkeypatch.setattr(verifyattn, "_chosen", "mlx")
     monkeypatch.setattr(verifyattn, "cuda", lambda: True)
     monkeypatch.setattr(fewq, "attention", stand_in)
     monkeypatch.setattr(fewq, "HEAD_DIMS", (32, 64))  # the tiny draft's head dim too
@@ -127,13 +130,73 @@ def kernel_by_reference(monkeypatch):
 def test_the_kernel_path_gives_mlx_lm_greedy_ids_and_only_in_the_cycle(tiny_dirs, kernel_by_reference, arch):
     assert arch in ARCHS
     pair = load_pair(tiny_dirs[arch], tiny_dirs[arch] / "draft")  # configure(): the wrapper goes in
+    _routed_runs(pair, kernel_by_reference, ("full", 4, "auto"), fewest=4)
+
+
+def _routed_runs(pair, calls: list, windows: tuple, fewest: int) -> None:
+    """mlx-lm's decode never reaches our attention (`calls` stays empty); the cycle's ids are
+    mlx-lm's greedy ids at every window; the verifies (fewest..16 causal queries) and the
+    draft's 16-query block went through it."""
     ids = pair.tokenizer.encode(PROMPT)
     ref = cut_at_eos(greedy_reference(pair.target.model, ids, 40), set(pair.tokenizer.eos_token_ids))
-    assert not kernel_by_reference, "mlx-lm's own decode went through the kernel"
-    for window in ("full", 4, "auto"):
+    assert not calls, "mlx-lm's own decode went through our attention"
+    for window in windows:
         final, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, 40, verify_window=window)
-        assert final.token_ids == ref, f"{arch}: window {window} diverged from mlx-lm greedy"
-    causal = [c for c in kernel_by_reference if c[2]]
-    block = [c for c in kernel_by_reference if not c[2]]
-    assert causal and all(4 <= q <= 16 and k >= q for q, k, _ in causal)  # the verifies
+        assert final.token_ids == ref, f"window {window} diverged from mlx-lm greedy"
+    causal = [c for c in calls if c[2]]
+    block = [c for c in calls if not c[2]]
+    assert causal and all(fewest <= q <= 16 and k >= q for q, k, _ in causal)  # the verifies
     assert block and all(q == 16 for q, _, _ in block)  # the draft's block over its context
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("shape", [(9, 3, 16, 300), (4, 1, 2, 5), (8, 8, 7, 40), (9, 3, 16, 2000)])
+def test_the_fast_exp_attention_is_mlx_attention(causal, shape):
+    hq, hkv, m, n = shape
+    q, k, v = (mx.random.normal(s, key=mx.random.key(i)) * 3
+               for i, s in enumerate(((1, hq, m, 64), (1, hkv, n, 64), (1, hkv, n, 64))))
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal" if causal else None)
+    got = cpuattn.attention(q, k, v, 0.125, causal)
+    assert got.shape == want.shape and got.dtype == mx.float32
+    assert mx.allclose(got, want, atol=2e-6, rtol=1e-5).item()
+
+
+def test_the_fast_softmax_zeroes_masked_keys_and_keeps_extremes_finite():
+    scores = mx.array([[0.0, -1.0, -80.0, -200.0, 90.0], [1e4, -1e4, 0.0, 3.0, 3.0]])
+    bias = mx.array([[0.0, 0.0, 0.0, 0.0, -math.inf], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    got = cpuattn.softmax(scores, bias)
+    want = mx.softmax(scores + bias, axis=-1)
+    assert got[0, 4].item() == 0.0  # a masked key weighs exactly nothing
+    assert mx.all(mx.isfinite(got)).item()
+    assert mx.allclose(got, want, atol=1e-7, rtol=2e-6).item()
+    x = mx.linspace(-87, 0, 10001)[None]  # its max is 0: the weights are exp(x) itself
+    p, bits = cpuattn._weights(x, mx.zeros((1, 1)))
+    e = np.array(p * bits.view(mx.float32), dtype=np.float64)
+    want = np.exp(np.array(x, dtype=np.float64))
+    assert np.max(np.abs(e - want) / want) < 5e-6  # MLX's own exp: 3.8e-6 here (at -86.4)
+
+
+def test_which_calls_the_fast_exp_attention_takes():
+    q16, q1 = mx.zeros((1, 9, 16, 64)), mx.zeros((1, 9, 1, 64))
+    kv = mx.zeros((1, 3, 100, 64))
+    assert cpuattn.supported(q16, kv, kv, "causal") and cpuattn.supported(q16, kv, kv, None)
+    assert not cpuattn.supported(q1, kv, kv, None)  # a decode step: MLX's, as mlx-lm's
+    assert not cpuattn.supported(mx.zeros((1, 9, 17, 64)), kv, kv, "causal")  # a prefill chunk
+    assert not cpuattn.supported(q16, kv, kv, mx.zeros((16, 100)))  # an array mask
+    assert not cpuattn.supported(q16.astype(mx.bfloat16), kv.astype(mx.bfloat16), kv, None)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_fast_exp_path_gives_mlx_lm_greedy_ids_and_only_in_the_cycle(tiny_dirs, monkeypatch, arch):
+    calls = []
+    real = cpuattn.attention
+
+    def recording(q, k, v, scale, causal):
+        calls.append((q.shape[2], k.shape[2], causal))
+        return real(q, k, v, scale, causal)
+
+    monkeypatch.setattr(cpuattn, "attention", recording)
+    monkeypatch.setenv(verifyattn.ENV, "auto")  # the CPU's default
+    pair = load_pair(tiny_dirs[arch], tiny_dirs[arch] / "draft")
+    assert pair.target.verify_attention == "fastexp"
+    _routed_runs(pair, calls, ("full", 4, 2, "auto"), fewest=2)
