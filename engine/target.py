@@ -114,7 +114,7 @@ class TargetModel:
                 layer.__class__ = _capturing_class(type(layer))
             layer.__dict__["_dflash_sink"] = None
         tape.install(self.layers)
-        # DFLASH_VERIFY_ATTN, read here (a bad value fails at load): "mlx" or "kernel", what runs
+        # DFLASH_VERIFY_ATTN, read here (a bad value fails at load): "mlx", "kernel" or "fastexp"
         self.verify_attention = verifyattn.configure()
         self.pipelined = pipelined_default()  # DFLASH_PIPELINE, read once at load
         self.run_ahead = self.pipelined and os.environ.get(RUNAHEAD_ENV, "1").strip() != "0"
