@@ -15,6 +15,7 @@ engine/verifyattn.py routes the target's 2..16-query attentions and the draft's 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import mlx.core as mx
@@ -65,9 +66,14 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, causal: bool)
     hkv, n = k.shape[1], k.shape[2]
     rep = hq // hkv
     s = (q.reshape(b, hkv, rep * m, d) * scale) @ k.swapaxes(-1, -2)
-    if causal:
-        last = mx.tile(mx.arange(n - m, n), rep)  # the last key each row may see
-        bias = mx.where(mx.arange(n)[None, :] <= last[:, None], 0.0, -math.inf)
-    else:
-        bias = mx.zeros((1, n), mx.float32)
-    return (softmax(s, bias) @ v).reshape(b, hq, m, v.shape[-1])
+    return (softmax(s, _bias(rep, m, n, causal)) @ v).reshape(b, hq, m, v.shape[-1])
+
+
+@functools.lru_cache(maxsize=4)
+def _bias(rep: int, m: int, n: int, causal: bool) -> mx.array:
+    """The additive mask (0 or -inf) of `rep` groups of m queries over n keys: built once per
+    forward and shared by its layers (the key count changes every cycle, so a few entries do)."""
+    if not causal:
+        return mx.zeros((1, n), mx.float32)
+    last = mx.tile(mx.arange(n - m, n), rep)  # the last key each row may see
+    return mx.where(mx.arange(n)[None, :] <= last[:, None], 0.0, -math.inf)
