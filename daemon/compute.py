@@ -7,6 +7,7 @@ frame on an inproc socket (out), and it never lets an exception escape a job.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue as _queue
 import threading
@@ -71,8 +72,10 @@ class Compute:
         self.wake()
 
     def _run_job(self, job: Job) -> None:
+        # durable first, then visible: once a status can report attempt N the store holds N, so a
+        # crash from then on counts (the other order let a kill between the two run it again)
+        self.store.save(dataclasses.replace(job, attempts=job.attempts + 1))
         job.attempts += 1
-        self.store.save(job)  # a crash from here on counts as an attempt
         try:
             result, state = self._generate(job)
         except Exception as e:  # engine failure: fail this job, keep serving
