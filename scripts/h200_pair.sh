@@ -13,7 +13,7 @@
 #                         compile steps; CK = a checkpoint folder to --resume (e.g. the committed
 #                         benchmark/training/campaign/checkpoint); without CK: a new campaign
 #   wait MAX_S          - wait for the background job to finish (or MAX_S), print progress
-#   pack                - the checkpoint parts (bf16, <= 15 MB each) + config/trainer/index + a
+#   pack [RUN]          - the checkpoint parts (bf16, <= 15 MB each) + config/trainer/index + a
 #                         reports tar + the derived prompts (gzip) into $OUT (8 files, ~50 MB:
 #                         within the tool's 8 x 16 MiB, 64 MiB in all)
 #   packdata            - the data cache (prompts + responses, JSONL) as xz parts of <= 15 MB into $OUT:
@@ -74,7 +74,8 @@ case "$1" in
     for arm in 0 1; do
       flags=$([ $arm = 0 ] && echo "$4" || echo "$5")
       [[ "$flags" =~ ^[0-9.]+$ ]] && flags="--kl-weight $flags"
-      CUDA_VISIBLE_DEVICES=$arm DATA=$TRAIN/data setsid nohup bash -c "bash scripts/train_smollm2_h200.sh \
+      dev=$arm; [ "${NGPU:-2}" -lt 2 ] && dev=0  # one GPU: both arms share it (same budget each)
+      CUDA_VISIBLE_DEVICES=$dev DATA=$TRAIN/data setsid nohup bash -c "bash scripts/train_smollm2_h200.sh \
         $MODEL /tmp/arm$arm --time-budget-s $2 $START $flags ${*:6}; echo TRAIN_DONE" \
         > /tmp/arm$arm.log 2>&1 < /dev/null &
     done
@@ -87,10 +88,11 @@ case "$1" in
     end=$((SECONDS + $2))
     while [ $SECONDS -lt $end ] && ! grep -q TRAIN_DONE "$LOG"; do sleep 10; done
     grep -E "^\[(data|eval|train)\]" "$LOG" | tail -25; grep -q TRAIN_DONE "$LOG" && echo "finished" ;;
-  pack)
-    cp "$TRAIN"/checkpoint/model-*.safetensors "$TRAIN"/checkpoint/model.safetensors.index.json \
-       "$TRAIN"/checkpoint/config.json "$TRAIN"/checkpoint/trainer.json "$OUT"/
-    (cd "$TRAIN" && tar cf "$OUT/reports.tar" --exclude=data --exclude=checkpoint --exclude='*.safetensors' .)
+  pack)  # pack [RUN]: RUN = a run folder (default the campaign's; e.g. /tmp/arm1 after `ab`)
+    run=${2:-$TRAIN}
+    cp "$run"/checkpoint/model-*.safetensors "$run"/checkpoint/model.safetensors.index.json \
+       "$run"/checkpoint/config.json "$run"/checkpoint/trainer.json "$OUT"/
+    (cd "$run" && tar cf "$OUT/reports.tar" --exclude=data --exclude=checkpoint --exclude='*.safetensors' .)
     cat "$TRAIN"/data/derived_prompts*.jsonl | gzip -9 > "$OUT/derived_prompts.jsonl.gz"
     ls -la "$OUT" ;;
   packdata)

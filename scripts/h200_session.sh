@@ -10,7 +10,7 @@
 #
 # Settings (env, read at every call, so a change before the next call takes effect):
 #   DERIVE=N        (required) prompts the target has written in all: the staged cache's count
-#                   (267,834 after session 10) trains on the cache as it is, more derives and
+#                   (297,817 after session 11) trains on the cache as it is, more derives and
 #                   answers the difference first (~60K new: ~450 s on two GPUs)
 #   DATA=1          run the data phase (0: skip it; then DERIVE must be the cache's count)
 #   BUDGET=420      training seconds after the compile;  TOTAL_STEPS=...  the cosine's end
@@ -18,6 +18,11 @@
 #   NGPU=2          GPUs (1 on nvidia-h200: give TRAIN_FLAGS="--seqs-per-batch 32" to keep the
 #                   2,048-block step);  TRAIN_FLAGS=...  more train-draft flags for the train phase
 #   PACKDATA=1      bring the data cache back (0: the cache did not change, DATA=0)
+#   ARM_B="FLAGS"   an A/B train phase instead: two arms from the staged draft at once, arm 0 with
+#                   ARM_A's extra train-draft flags (default none), arm 1 with ARM_B's, BUDGET each
+#                   (one GPU: both share it); each evaluates on the held-out set, `pack` brings arm
+#                   PACK_ARM's weights (default 1) and ab.tar (its config, index, trainer.json; both
+#                   arms' logs and held-out reports). E.g. ARM_B="--grow-layers 3"
 # Hooks, in the ignored .devq/ (carried): .devq/env, sourced first at every call, overrides the
 # settings above for the calls still to come (the pump's command line stays as it is);
 # .devq/job.sh runs once per content at the start of a call (not while packing): the session's
@@ -32,15 +37,20 @@ export MLX_CUDA_USE_CUDNN_SDPA=0 PYTHONUNBUFFERED=1 NGPU=${NGPU:-2}
 # must not reach it (session 9: DATA=0 made the trainer look for its cache in ./0 and stop)
 DATA_PHASE=${DATA:-1}; unset DATA
 LOG=/tmp/train_stdout.log
-# sessions 3-5's prompts, not trained on: a file no rank appends to (data-s10 on; with one GPU the
+# sessions 3-5's prompts, not trained on: a file no rank appends to (data-s10/s11; with one GPU the
 # cache's derived_prompts.jsonl is the shard new prompts go to, and train-draft refuses it)
 FLAGS="--gen-batch-size 2048 --num-prompts 0 --exclude-prompts /tmp/train_out/data/derived_prompts.s3-5.jsonl --sampled-responses 0.5"
 RESTART=${RESTART_LR-4e-4}
 done_bg() { grep -q TRAIN_DONE "$LOG" 2>/dev/null; }
+AB=${ARM_B+1}
+train_done() {  # the campaign's run, or both arms of an A/B
+  if [ -n "$AB" ]; then grep -q TRAIN_DONE /tmp/arm0.log 2>/dev/null && grep -q TRAIN_DONE /tmp/arm1.log 2>/dev/null
+  else done_bg; fi
+}
 phase=wait
 if [ ! -f /tmp/ph_data ]; then phase=data
 elif done_bg && [ ! -f /tmp/ph_train ]; then phase=train
-elif [ -f /tmp/ph_train ] && done_bg && [ ! -f /tmp/ph_pack ]; then phase=pack
+elif [ -f /tmp/ph_train ] && train_done && [ ! -f /tmp/ph_pack ]; then phase=pack
 elif [ -f /tmp/ph_pack ] && [ ! -f /tmp/ph_packdata ]; then phase=packdata
 elif [ -f /tmp/ph_packdata ] && [ ! -f /tmp/ph_final ]; then phase=final
 elif [ -f /tmp/ph_final ]; then phase=done
@@ -63,11 +73,31 @@ case $phase in
     touch /tmp/ph_data ;;
   train)
     grep -E "^\[data\]" "$LOG" | tail -3
+    if [ -n "$AB" ]; then
+      DERIVE=${DERIVE:?set DERIVE} TOTAL_STEPS=${TOTAL_STEPS:?set TOTAL_STEPS} bash scripts/h200_pair.sh ab \
+        "${BUDGET:-420}" /tmp/stage/files/draft "${ARM_A:-}" "$ARM_B" --miss-anchor-frac 0.5 \
+        --early-anchor-frac 0.3 ${RESTART:+--restart-lr $RESTART} $FLAGS ${TRAIN_FLAGS:-}
+      touch /tmp/ph_train
+      exit 0
+    fi
     DERIVE=${DERIVE:?set DERIVE} TOTAL_STEPS=${TOTAL_STEPS:?set TOTAL_STEPS} bash scripts/h200_pair.sh start \
       "${BUDGET:-420}" /tmp/stage/files/draft --miss-anchor-frac 0.5 --early-anchor-frac 0.3 \
       ${RESTART:+--restart-lr $RESTART} $FLAGS ${TRAIN_FLAGS:-}
     touch /tmp/ph_train ;;
-  pack) bash scripts/h200_pair.sh wait 0; bash scripts/h200_pair.sh pack; touch /tmp/ph_pack; exit 0 ;;
+  pack)
+    if [ -n "$AB" ]; then
+      bash scripts/h200_pair.sh abwait 0
+      # 8 files come back at most: arm PACK_ARM's weight parts (a grown draft has more), and one
+      # tar with its config, index and trainer.json and both arms' logs and held-out reports
+      ck=/tmp/arm${PACK_ARM:-1}/checkpoint
+      cp "$ck"/model-*.safetensors "$OUT"/
+      tar cf "$OUT/ab.tar" --exclude=data --exclude=checkpoint --exclude='*.safetensors' -C /tmp arm0 arm1
+      tar rf "$OUT/ab.tar" -C "$ck" config.json model.safetensors.index.json trainer.json
+      tar tf "$OUT/ab.tar"; ls -la "$OUT"
+    else
+      bash scripts/h200_pair.sh wait 0; bash scripts/h200_pair.sh pack
+    fi
+    touch /tmp/ph_pack; exit 0 ;;
   packdata) [ "${PACKDATA:-1}" = 1 ] && bash scripts/h200_pair.sh packdata; touch /tmp/ph_packdata; exit 0 ;;
   final)
     touch /tmp/ph_final
@@ -75,5 +105,6 @@ case $phase in
     echo ALL_DONE; exit 0 ;;
   done) echo ALL_DONE; exit 0 ;;
 esac
-bash scripts/h200_pair.sh wait "${W:-75}" | tail -n 6
+if [ -n "$AB" ] && [ -f /tmp/ph_train ]; then bash scripts/h200_pair.sh abwait "${W:-75}" | tail -n 8
+else bash scripts/h200_pair.sh wait "${W:-75}" | tail -n 6; fi
 exit 0  # still running is not a failure (the pump reads rc)

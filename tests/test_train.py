@@ -199,6 +199,37 @@ def test_resume_continues_the_campaign(looping: Path, loop_data: Path, tmp_path:
     assert json.loads((d / "checkpoint" / "trainer.json").read_text())["schedule"]["cycle_from"] == n
 
 
+def test_a_grown_draft_proposes_what_it_did_and_trains_on(looping: Path, loop_data: Path, tmp_path: Path):
+    """--grow-layers: the new layers start as the identity (the block's hidden states are exactly
+    the old draft's), the campaign goes on from the same step with a re-warm-up, the loss is not
+    reset, and the grown draft is saved and loads with its new depth."""
+    from dflash.engine.training.grow import grow
+
+    a = tmp_path / "a"
+    train_draft(_opts(looping, a, loop_data, total_steps=40, max_steps=20), log=lambda s: None)
+    old = ck.load_draft_any(a / "checkpoint", mx.float32)
+    new = grow(old, 2)
+    assert new.config.num_hidden_layers == old.config.num_hidden_layers + 2
+    k, d = len(old.config.target_layer_ids), old.config.hidden_size
+    ctx = old.project(mx.random.normal((1, 12, k * d), key=mx.random.key(3)))
+    block = mx.random.normal((1, old.config.block_size, d), key=mx.random.key(4))
+    assert mx.array_equal(new(block, 12, None, ctx), old(block, 12, None, ctx)).item()
+    with pytest.raises(ValueError, match="at least one"):
+        grow(old, 0)
+
+    b = tmp_path / "b"
+    sb = train_draft(_opts(looping, b, loop_data, resume=str(a / "checkpoint"), max_steps=10,
+                           grow_layers=2, rewarmup_steps=4), log=lambda s: None)
+    la, lb = _log(a), _log(b)
+    assert sb["steps"] == 30 and lb[0]["step"] == 25
+    assert lb[0]["loss"] < 0.5 * la[0]["loss"] and lb[0]["loss"] < 1.5 * la[-1]["loss"] + 0.05
+    assert load_draft(b).config.num_hidden_layers == old.config.num_hidden_layers + 2
+    trainer = json.loads((b / "checkpoint" / "trainer.json").read_text())
+    assert trainer["schedule"]["rewarmup_from"] == 20
+    with pytest.raises(ValueError, match="--grow-layers needs"):
+        train_draft(_opts(looping, tmp_path / "c", loop_data, grow_layers=1), log=lambda s: None)
+
+
 def test_checkpoint_parts_are_small_and_load_back(tmp_path: Path):
     from mlx.utils import tree_flatten
 
