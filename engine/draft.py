@@ -207,7 +207,7 @@ class DraftMLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(verifyattn.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DraftLayer(nn.Module):

@@ -1,4 +1,5 @@
-"""Which attention the cycle's few-query forwards use: MLX's, or our own (fewq.py, cpuattn.py).
+"""Which attention the cycle's few-query forwards use: MLX's, or our own (fewq.py, cpuattn.py);
+on the CPU also which SwiGLU the target's and the draft's MLPs use (fastexp.py).
 
 A verify is one target forward of up to 16 tokens over the whole cache, and a draft pass is 16
 block queries over the context; MLX 0.32 on CUDA runs those (4 or more queries, cuDNN off) as
@@ -12,6 +13,11 @@ The setting:
     DFLASH_VERIFY_ATTN=mlx      MLX's attention, as mlx-lm calls it
     DFLASH_VERIFY_ATTN=kernel   the CUDA kernel (a CUDA GPU is required: an error at load otherwise)
     DFLASH_VERIFY_ATTN=fastexp  the fast-exp attention (fp32 calls; meant for the CPU)
+
+With fastexp (so by default on the CPU) the MLPs' SwiGLU of 2 or more rows (a verify, the draft's
+block, a prefill chunk) runs fastexp.swiglu too: mlx-lm's models call the `swiglu` of their own
+module, which `configure()` wraps the way it wraps MLX's attention; a decode step's one row stays
+MLX's, as mlx-lm computes it.
 
 It acts only inside `active()`, which the target's own forwards enter (engine/target.py), and in
 the draft's attention (`attention()`), so mlx-lm running the same model (the benchmark's
@@ -30,9 +36,12 @@ import os
 import warnings
 from typing import Any
 
-import mlx.core as mx
+import sys
 
-from . import cpuattn, fewq
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import cpuattn, fastexp, fewq
 from .scope import Scope
 
 ENV = "DFLASH_VERIFY_ATTN"
@@ -42,6 +51,7 @@ _MLX_SDPA = mx.fast.scaled_dot_product_attention  # MLX's own, as this module fo
 _real_sdpa = None  # what configure() wrapped (None: MLX's own)
 _chosen = "mlx"  # as of the last configure(): read once per model load, not per attention call
 _works: bool | None = None  # the auto mode's one check of the kernel, once per process
+_MLX_SWIGLU = None  # mlx-lm's activations.swiglu, once wrapped (None: never wrapped)
 
 
 def cuda() -> bool:
@@ -115,6 +125,38 @@ def _sdpa(q: mx.array, k: mx.array, v: mx.array, *args: Any, **kwargs: Any) -> m
     return (_real_sdpa or _MLX_SDPA)(q, k, v, *args, **kwargs)
 
 
+def _fast_swiglu(gate: mx.array, up: mx.array) -> bool:
+    """Whether fastexp.swiglu takes this call: inside `active()` with fastexp chosen, fp32, 2 or
+    more rows (a decode step's one row stays as mlx-lm computes it)."""
+    return (bool(active) and _chosen == "fastexp" and gate.dtype == mx.float32
+            and up.dtype == mx.float32 and gate.ndim >= 2 and gate.shape[-2] >= 2
+            and gate.shape == up.shape)
+
+
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """The draft's MLP activation, silu(gate) * up: fastexp's where it applies, else the plain
+    maths (training's differentiated passes are never inside `active()`)."""
+    return fastexp.swiglu(gate, up) if _fast_swiglu(gate, up) else nn.silu(gate) * up
+
+
+def _target_swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """What the wrapped mlx-lm modules call instead of activations.swiglu."""
+    return fastexp.swiglu(gate, up) if _fast_swiglu(gate, up) else _MLX_SWIGLU(gate, up)
+
+
+def _wrap_swiglu() -> None:
+    """Point every loaded mlx-lm model module's `swiglu` (imported from activations.py) at
+    `_target_swiglu`; the target's own module is loaded by now. Idempotent."""
+    global _MLX_SWIGLU
+    from mlx_lm.models import activations
+
+    if _MLX_SWIGLU is None:
+        _MLX_SWIGLU = activations.swiglu
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models.") and getattr(module, "swiglu", None) is _MLX_SWIGLU:
+            module.swiglu = _target_swiglu
+
+
 def configure() -> str:
     """Read the setting (a bad value raises here, at load) and, the first time it picks one of
     ours, wrap mx.fast.scaled_dot_product_attention (mlx-lm's models look it up at every call);
@@ -124,4 +166,6 @@ def configure() -> str:
     if chosen != "mlx" and mx.fast.scaled_dot_product_attention is not _sdpa:  # never wrap twice
         _real_sdpa = mx.fast.scaled_dot_product_attention
         mx.fast.scaled_dot_product_attention = _sdpa
+    if chosen == "fastexp":
+        _wrap_swiglu()
     return chosen

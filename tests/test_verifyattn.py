@@ -1,12 +1,13 @@
 """DFLASH_VERIFY_ATTN (engine/verifyattn.py), the few-query kernel's maths (engine/fewq.py) and
-the CPU's fast-exp attention (engine/cpuattn.py).
+the CPU's fast-exp attention and SwiGLU (engine/cpuattn.py, engine/fastexp.py).
 
 The CUDA kernel itself only runs on a CUDA GPU (scripts/fewq_check.py checks it there against
 fewq.reference). Here, on the CPU: the setting, the shapes the kernel takes, its chunking, that
 fewq.reference is MLX's attention, and the routing: with the kernel's place taken by
 fewq.reference (the same maths in plain MLX ops), the verify's and the draft's few-query
 attentions go through it, mlx-lm's own decode never does, and the ids stay mlx-lm's greedy ids.
-The same for the fast-exp attention, which runs here for real; and its maths against MLX's.
+The same for the fast-exp attention and SwiGLU, which run here for real; and their maths against
+MLX's and mlx-lm's.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import ARCHS
-from dflash.engine import cpuattn, fewq, verifyattn
+from dflash.engine import cpuattn, fastexp, fewq, verifyattn
 from dflash.engine.loading import load_pair
 from helpers import cut_at_eos, greedy_reference, run_dflash
 
@@ -133,13 +134,15 @@ def test_the_kernel_path_gives_mlx_lm_greedy_ids_and_only_in_the_cycle(tiny_dirs
     _routed_runs(pair, kernel_by_reference, ("full", 4, "auto"), fewest=4)
 
 
-def _routed_runs(pair, calls: list, windows: tuple, fewest: int) -> None:
-    """mlx-lm's decode never reaches our attention (`calls` stays empty); the cycle's ids are
-    mlx-lm's greedy ids at every window; the verifies (fewest..16 causal queries) and the
-    draft's 16-query block went through it."""
+def _routed_runs(pair, calls: list, windows: tuple, fewest: int, swiglu_rows: list | None = None) -> None:
+    """mlx-lm's decode never reaches our attention (`calls` stays empty) nor our SwiGLU; the
+    cycle's ids are mlx-lm's greedy ids at every window; the verifies (fewest..16 causal queries)
+    and the draft's 16-query block went through it; with `swiglu_rows`, the target's and the
+    draft's MLPs of 2 or more rows (prefill, verifies, the draft's block) went through ours."""
     ids = pair.tokenizer.encode(PROMPT)
     ref = cut_at_eos(greedy_reference(pair.target.model, ids, 40), set(pair.tokenizer.eos_token_ids))
     assert not calls, "mlx-lm's own decode went through our attention"
+    assert not swiglu_rows, "mlx-lm's own decode went through our SwiGLU"
     for window in windows:
         final, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, 40, verify_window=window)
         assert final.token_ids == ref, f"window {window} diverged from mlx-lm greedy"
@@ -147,6 +150,9 @@ def _routed_runs(pair, calls: list, windows: tuple, fewest: int) -> None:
     block = [c for c in calls if not c[2]]
     assert causal and all(fewest <= q <= 16 and k >= q for q, k, _ in causal)  # the verifies
     assert block and all(q == 16 for q, _, _ in block)  # the draft's block over its context
+    if swiglu_rows is not None:
+        assert swiglu_rows and min(swiglu_rows) >= 2  # never a decode step's one row
+        assert 16 in swiglu_rows and len(ids) in swiglu_rows  # the draft's block; the prefill
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -164,16 +170,32 @@ def test_the_fast_exp_attention_is_mlx_attention(causal, shape):
 def test_the_fast_softmax_zeroes_masked_keys_and_keeps_extremes_finite():
     scores = mx.array([[0.0, -1.0, -80.0, -200.0, 90.0], [1e4, -1e4, 0.0, 3.0, 3.0]])
     bias = mx.array([[0.0, 0.0, 0.0, 0.0, -math.inf], [0.0, 0.0, 0.0, 0.0, 0.0]])
-    got = cpuattn.softmax(scores, bias)
+    got = fastexp.softmax(scores, bias)
     want = mx.softmax(scores + bias, axis=-1)
     assert got[0, 4].item() == 0.0  # a masked key weighs exactly nothing
     assert mx.all(mx.isfinite(got)).item()
     assert mx.allclose(got, want, atol=1e-7, rtol=2e-6).item()
     x = mx.linspace(-87, 0, 10001)[None]  # its max is 0: the weights are exp(x) itself
-    p, bits = cpuattn._weights(x, mx.zeros((1, 1)))
+    p, bits = fastexp._weights(x, mx.zeros((1, 1)))
     e = np.array(p * bits.view(mx.float32), dtype=np.float64)
     want = np.exp(np.array(x, dtype=np.float64))
     assert np.max(np.abs(e - want) / want) < 5e-6  # MLX's own exp: 3.8e-6 here (at -86.4)
+
+
+def test_the_fast_swiglu_is_mlx_lms_swiglu():
+    from mlx_lm.models.activations import swiglu
+
+    gate = mx.concatenate([mx.random.normal((1, 16, 1536), key=mx.random.key(0)) * 6,
+                           mx.array([-200.0, -103.0, -87.5, -30.0, -1e-30, 0.0, 1e-30, 30.0, 90.0,
+                                     200.0, 1e30, -1e30, 2.5, -2.5, 0.5, -0.5] * 96).reshape(1, 1, 1536)], axis=1)
+    up = mx.random.normal(gate.shape, key=mx.random.key(1))
+    got, want = fastexp.swiglu(gate, up), swiglu(gate, up)
+    assert got.shape == want.shape and got.dtype == mx.float32
+    assert mx.all(mx.isfinite(got)).item()
+    assert mx.allclose(got, want, atol=1e-36, rtol=3e-6).item()  # relative, down to tiny values
+    for rows in (2, 5, 300):  # any row count, one shapeless kernel pair
+        g = mx.repeat(gate[:, :1], rows, axis=1)
+        assert mx.allclose(fastexp.swiglu(g, g), swiglu(g, g), atol=1e-36, rtol=3e-6).item()
 
 
 def test_which_calls_the_fast_exp_attention_takes():
@@ -195,8 +217,16 @@ def test_the_fast_exp_path_gives_mlx_lm_greedy_ids_and_only_in_the_cycle(tiny_di
         calls.append((q.shape[2], k.shape[2], causal))
         return real(q, k, v, scale, causal)
 
+    swiglu_rows = []
+    real_swiglu = fastexp.swiglu
+
+    def recording_swiglu(gate, up):
+        swiglu_rows.append(gate.shape[-2])
+        return real_swiglu(gate, up)
+
     monkeypatch.setattr(cpuattn, "attention", recording)
+    monkeypatch.setattr(fastexp, "swiglu", recording_swiglu)
     monkeypatch.setenv(verifyattn.ENV, "auto")  # the CPU's default
     pair = load_pair(tiny_dirs[arch], tiny_dirs[arch] / "draft")
     assert pair.target.verify_attention == "fastexp"
-    _routed_runs(pair, calls, ("full", 4, 2, "auto"), fewest=2)
+    _routed_runs(pair, calls, ("full", 4, 2, "auto"), fewest=2, swiglu_rows=swiglu_rows)
