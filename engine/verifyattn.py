@@ -33,10 +33,9 @@ the H200; docs/benchmark.md).
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from typing import Any
-
-import sys
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -6,8 +6,8 @@ Loads the target as dflash does (fp32, DFLASH_VERIFY_ATTN's default: the fast-ex
 the CPU), prefills `--context` tokens, then times forwards of 1, 4, 8 and 16 tokens at that cache
 length (the cache trimmed back after each), with the SwiGLU routed to fastexp.swiglu and to
 mlx-lm's own, interleaved round by round so the VM's drift hits both; medians. A prefill of the
-whole context is timed both ways too (after one untimed). The decode step (1 token) never takes the fast path, so its
-two columns should agree: their gap is this VM's noise.
+whole context is timed both ways too (after one untimed). The decode step (1 token) never takes
+the fast path, so its two columns should agree: their gap is this VM's noise.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ case "$1" in
       flags=$([ $arm = 0 ] && echo "$4" || echo "$5")
       [[ "$flags" =~ ^[0-9.]+$ ]] && flags="--kl-weight $flags"
       dev=$arm; [ "${NGPU:-2}" -lt 2 ] && dev=0  # one GPU: both arms share it (same budget each)
-      CUDA_VISIBLE_DEVICES=$dev DATA=$TRAIN/data setsid nohup bash -c "bash scripts/train_smollm2_h200.sh \
+      CUDA_VISIBLE_DEVICES=$dev NGPU=1 DATA=$TRAIN/data setsid nohup bash -c "bash scripts/train_smollm2_h200.sh \
         $MODEL /tmp/arm$arm --time-budget-s $2 $START $flags ${*:6}; echo TRAIN_DONE" \
         > /tmp/arm$arm.log 2>&1 < /dev/null &
     done
