@@ -89,12 +89,24 @@ case "$1" in
     while [ $SECONDS -lt $end ] && ! grep -q TRAIN_DONE "$LOG"; do sleep 10; done
     grep -E "^\[(data|eval|train)\]" "$LOG" | tail -25; grep -q TRAIN_DONE "$LOG" && echo "finished" ;;
   pack)  # pack [RUN]: RUN = a run folder (default the campaign's; e.g. /tmp/arm1 after `ab`)
+    # 8 files come back at most: the weight parts, reports.tar (logs, held-out reports and the
+    # checkpoint's config.json, model.safetensors.index.json, trainer.json under checkpoint/),
+    # the derived prompts unless PROMPTS=0 or too big, and the three small files again when
+    # they still fit (a grown draft has 5 parts: then only in the tar)
     run=${2:-$TRAIN}
-    cp "$run"/checkpoint/model-*.safetensors "$run"/checkpoint/model.safetensors.index.json \
-       "$run"/checkpoint/config.json "$run"/checkpoint/trainer.json "$OUT"/
-    (cd "$run" && tar cf "$OUT/reports.tar" --exclude=data --exclude=checkpoint --exclude='*.safetensors' .)
-    cat "$TRAIN"/data/derived_prompts*.jsonl | gzip -9 > "$OUT/derived_prompts.jsonl.gz"
-    ls -la "$OUT" ;;
+    cp "$run"/checkpoint/model-*.safetensors "$OUT"/
+    (cd "$run" && tar cf "$OUT/reports.tar" --exclude=data --exclude=optimizer --exclude='*.safetensors' .)
+    if [ "${PROMPTS:-1}" = 1 ]; then  # within the 64 MiB that come back together, else left out
+      cat "$TRAIN"/data/derived_prompts*.jsonl | gzip -9 > /tmp/derived_prompts.jsonl.gz
+      total=$(( $(cat "$OUT"/* | wc -c) + $(stat -c %s /tmp/derived_prompts.jsonl.gz) ))
+      if [ "$total" -lt 66000000 ]; then mv /tmp/derived_prompts.jsonl.gz "$OUT"/
+      else echo "pack: derived prompts left out ($total bytes would pass 64 MiB; packdata brings them)"; fi
+    fi
+    if [ $(( $(ls "$OUT" | wc -l) + 3 )) -le 8 ]; then
+      cp "$run"/checkpoint/model.safetensors.index.json "$run"/checkpoint/config.json \
+         "$run"/checkpoint/trainer.json "$OUT"/
+    fi
+    tar tf "$OUT/reports.tar" | grep checkpoint/; ls -la "$OUT" ;;
   packdata)
     (cd "$TRAIN" && tar cf - --exclude=.unpacked data) | xz -T0 -6 | split -d -a 2 -b 15000000 - "$OUT/campaign-data.tar.xz."
     ls -la "$OUT" ;;

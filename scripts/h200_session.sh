@@ -95,7 +95,7 @@ case $phase in
       tar rf "$OUT/ab.tar" -C "$ck" config.json model.safetensors.index.json trainer.json
       tar tf "$OUT/ab.tar"; ls -la "$OUT"
     else
-      bash scripts/h200_pair.sh wait 0; bash scripts/h200_pair.sh pack
+      bash scripts/h200_pair.sh wait 0; PROMPTS=${PACKDATA:-1} bash scripts/h200_pair.sh pack
     fi
     touch /tmp/ph_pack; exit 0 ;;
   packdata) [ "${PACKDATA:-1}" = 1 ] && bash scripts/h200_pair.sh packdata; touch /tmp/ph_packdata; exit 0 ;;
