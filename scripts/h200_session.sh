@@ -21,8 +21,8 @@
 #   ARM_B="FLAGS"   an A/B train phase instead: two arms from the staged draft at once, arm 0 with
 #                   ARM_A's extra train-draft flags (default none), arm 1 with ARM_B's, BUDGET each
 #                   (one GPU: both share it); each evaluates on the held-out set, `pack` brings arm
-#                   PACK_ARM's weights (default 1) and ab.tar (its config, index, trainer.json; both
-#                   arms' logs and held-out reports). E.g. ARM_B="--grow-layers 3"
+#                   PACK_ARM (default 1) as h200_pair.sh `pack` brings a run, and the other arm's
+#                   reports (reports_armN.tar). E.g. ARM_B="--grow-layers 3"
 # Hooks, in the ignored .devq/ (carried): .devq/env, sourced first at every call, overrides the
 # settings above for the calls still to come (the pump's command line stays as it is);
 # .devq/job.sh runs once per content at the start of a call (not while packing): the session's
@@ -87,13 +87,11 @@ case $phase in
   pack)
     if [ -n "$AB" ]; then
       bash scripts/h200_pair.sh abwait 0
-      # 8 files come back at most: arm PACK_ARM's weight parts (a grown draft has more), and one
-      # tar with its config, index and trainer.json and both arms' logs and held-out reports
-      ck=/tmp/arm${PACK_ARM:-1}/checkpoint
-      cp "$ck"/model-*.safetensors "$OUT"/
-      tar cf "$OUT/ab.tar" --exclude=data --exclude=checkpoint --exclude='*.safetensors' -C /tmp arm0 arm1
-      tar rf "$OUT/ab.tar" -C "$ck" config.json model.safetensors.index.json trainer.json
-      tar tf "$OUT/ab.tar"; ls -la "$OUT"
+      # arm PACK_ARM as `pack` brings a run (its checkpoint's small files in reports.tar); the
+      # other arm's logs and held-out reports beside it (the data did not change: no prompts)
+      PROMPTS=0 bash scripts/h200_pair.sh pack "/tmp/arm${PACK_ARM:-1}"
+      a=$((1 - ${PACK_ARM:-1}))
+      (cd /tmp/arm$a && tar cf "$OUT/reports_arm$a.tar" --exclude=data --exclude=checkpoint --exclude='*.safetensors' .)
     else
       bash scripts/h200_pair.sh wait 0; PROMPTS=${PACKDATA:-1} bash scripts/h200_pair.sh pack
     fi
