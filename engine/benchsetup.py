@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from .draft import DFlashDraft, DraftConfig
 from .drafters import DFlashDrafter, Drafter, OracleDrafter
-from .loading import DTYPES
+from .loading import DTYPES, draft_dtype, floating_dtypes
 from .target import TargetModel, default_layer_ids
 
 # Named shapes for --random-target (public architecture numbers of the Qwen3 family).
@@ -273,7 +273,7 @@ def build_setup(cfg: BenchConfig) -> Setup:
         model.set_dtype(DTYPES[cfg.dtype])
     draft = None
     if cfg.draft and not (cfg.oracle and not cfg.oracle_draft_cost):
-        draft = load_draft(cfg.draft, DTYPES[cfg.dtype] if cfg.dtype else None)
+        draft = load_draft(cfg.draft, draft_dtype(model, cfg.dtype))
     if draft is not None:
         layer_ids, block = list(draft.config.target_layer_ids), draft.config.block_size
     elif cfg.draft:  # oracle without draft cost: the draft only fixes layers and block size
@@ -291,16 +291,7 @@ def build_setup(cfg: BenchConfig) -> Setup:
 
 def _main_dtype(model: Any) -> str:
     """The floating dtype holding most weights (quantized models also carry uint32 packs)."""
-    from collections import Counter
-
-    from mlx.utils import tree_flatten
-
-    sizes: Counter = Counter()
-    packed = False
-    for _, p in tree_flatten(model.parameters()):
-        if mx.issubdtype(p.dtype, mx.floating):
-            sizes[str(p.dtype).replace("mlx.core.", "")] += p.size
-        packed = packed or p.dtype == mx.uint32
+    sizes, packed = floating_dtypes(model)
     name = sizes.most_common(1)[0][0] if sizes else "unknown"
     return name + (" + quantized weights" if packed else "")
 

@@ -206,3 +206,22 @@ def test_what_our_draft_cannot_run_is_refused_clearly(tiny_dirs, tmp_path):
     draft.lm_head = mx.zeros((4, 4))  # a draft must never carry its own head
     with pytest.raises(ValueError, match="lm_head"):
         save_draft(draft, tmp_path / "bad")
+
+
+def test_bf16_draft_computes_in_float32_beside_a_float32_target(pairs, tiny_dirs, tmp_path):
+    """A bf16 draft next to an fp32 target is cast up (bf16 products skip the CPU's BLAS);
+    an explicit dtype wins, and a target that is not fp32 leaves the draft as stored."""
+    from dflash.engine.loading import draft_dtype, load_pair
+
+    d = load_draft(tiny_dirs["qwen3"] / "draft")
+    d.set_dtype(mx.bfloat16)
+    save_draft(d, tmp_path / "bf16")
+    assert load_draft(tmp_path / "bf16").fc.weight.dtype == mx.bfloat16
+    target = tiny_dirs["qwen3"]
+    assert load_pair(target, tmp_path / "bf16").drafter.draft.fc.weight.dtype == mx.float32
+    assert load_pair(target, tmp_path / "bf16", dtype="bfloat16").drafter.draft.fc.weight.dtype == mx.bfloat16
+    model = pairs("qwen3").target.model
+    assert draft_dtype(model, None) == mx.float32
+    assert draft_dtype(model, "float16") == mx.float16
+    half = load_pair(target, tmp_path / "bf16", dtype="float16").target.model
+    assert draft_dtype(half, None) is None

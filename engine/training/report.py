@@ -146,13 +146,14 @@ def _eval_cli():
         from mlx_lm import load
 
         from ..draft import load_draft
+        from ..loading import draft_dtype
         from . import data as td
 
         try:
             model, tokenizer = load(target)
             dt = dtype or ("bfloat16" if mx.default_device() == mx.gpu else "float32")
             model.set_dtype(getattr(mx, dt))
-            d = load_draft(draft)
+            d = load_draft(draft, draft_dtype(model, None))
             pairs = td.load_heldout(heldout_file)[:n_prompts]
         except (ValueError, FileNotFoundError) as e:
             raise click.ClickException(str(e)) from e
