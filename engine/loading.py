@@ -34,10 +34,12 @@ def draft_dtype(target_model: Any, dtype: str | None) -> mx.Dtype | None:
     """The dtype the draft computes in: `dtype` when given; else float32 when the target's
     weights are float32, and the draft's stored dtype (None) otherwise.
 
-    Drafts ship in bf16 (half the size). Next to a float32 target, on a CPU, that is MLX's slow
-    path: bf16 products do not go through the BLAS. Measured on the 2-core VM (SmolLM2-135M fp32,
-    bundled 5-layer draft): a 16-token draft pass 32 -> 19 ms, projecting 16 context rows 30 ->
-    2 ms, once the draft is cast to float32.
+    Drafts ship in bf16 (half the size). Beside a float32 target the draft computes in float32
+    too, so `dflash benchmark`, `eval-draft` and the daemon run a pair the same way whether or not
+    `--dtype float32` is given (`make demo` gives it). Measured on the 2-core VM (session 12,
+    bundled draft): held-out 62.1% / tau 2.59 in float32 against 62.0% / 2.59 in bf16, and the
+    same speed (a 16-token draft pass 27-32 ms either way, interleaved runs; a first probe that
+    had bf16 twice as slow did not reproduce).
     """
     if dtype is not None:
         return DTYPES[dtype]
