@@ -63,7 +63,10 @@ from .lookup import CopyAcceptance
 # between these points.
 # Another CPU, another curve: on session 7's Intel Xeon VM (row plans, 300-token cache) 2, 3, 4, 6,
 # 8, 12, 16 tokens cost 1.04, 1.09, 1.66, 1.69, 2.04, 2.72, 2.24 steps; d absorbs part of the gap
-# for the widths in use, and this table stays the prior.
+# for the widths in use, and this table stays the prior. Session 12's Xeon VM with MKL threaded over
+# both cores (accel.py's default since), the same k-token verify at a 300-token cache, two runs: 2, 3, 4,
+# 5, 6, 8, 12, 16 tokens cost 1.18-1.23, 1.28-1.35, 1.54-1.62, 1.66, 1.71-1.81, 1.80-1.83, 2.09-2.36,
+# 2.30-2.39 steps.
 # GPU: linear, c = 0.035 a token (an 8B shape in bf16 on the H200: M=16 / M=1 = 1.4-1.55).
 # d is a start value that measurement replaces.
 CPU_VERIFY_COST = {1: 1.0, 2: 1.0, 3: 1.47, 4: 1.72, 5: 1.95, 6: 2.0, 8: 2.11, 12: 2.55, 16: 2.96}

@@ -123,6 +123,10 @@ def test_accel_plan_finds_mkl_in_the_env_lib_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(accel.platform, "machine", lambda: "x86_64")
     plan = accel.plan("auto", tmp_path, env={})
     assert plan["LD_PRELOAD"] == str(real.resolve()) and plan["MKL_THREADING_LAYER"] == "SEQUENTIAL"
+    (lib / "libiomp5.so").write_bytes(b"")  # MKL's OpenMP runtime beside it: threads over every core
+    assert accel.plan("auto", tmp_path, env={})["MKL_THREADING_LAYER"] == "INTEL"
+    mine = accel.plan("auto", tmp_path, env={"MKL_THREADING_LAYER": "GNU"})
+    assert mine["MKL_THREADING_LAYER"] == "GNU"  # the user's choice wins
     assert accel.plan("auto", tmp_path, env={accel.MARK: "mkl"}) is None  # no re-exec loop
     assert accel.plan("none", tmp_path, env={}) is None
     with pytest.raises(RuntimeError):
