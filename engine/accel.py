@@ -96,7 +96,8 @@ def threading_layer(lib: Path, env: dict) -> str:
     mlx-lm's plain decoding 16.8 -> 18.7 tok/s (means of 3 interleaved pairs of 2 runs); in
     `dflash benchmark --chat` a decode step 64-79 -> 41-57 ms, a 16-token verify 157-168 ->
     100-129 ms and a draft pass 43-54 -> 28-42 ms (wide products gain most from a second core),
-    so the chat speedup went from 1.30x / 1.31x to 1.46x / 1.53x (geometric means, two runs each).
+    so the chat speedup went from 1.30x / 1.31x / 1.30x to 1.46x / 1.53x / 1.44x (geometric means
+    of three interleaved runs each).
     """
     if env.get("MKL_THREADING_LAYER"):
         return env["MKL_THREADING_LAYER"]
