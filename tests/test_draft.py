@@ -209,8 +209,8 @@ def test_what_our_draft_cannot_run_is_refused_clearly(tiny_dirs, tmp_path):
 
 
 def test_bf16_draft_computes_in_float32_beside_a_float32_target(pairs, tiny_dirs, tmp_path):
-    """A bf16 draft next to an fp32 target is cast up (bf16 products skip the CPU's BLAS);
-    an explicit dtype wins, and a target that is not fp32 leaves the draft as stored."""
+    """A bf16 draft next to an fp32 target is cast up (every path runs the pair as `make demo`'s
+    --dtype float32 does); an explicit dtype wins, and a target not in fp32 leaves it as stored."""
     from dflash.engine.loading import draft_dtype, load_pair
 
     d = load_draft(tiny_dirs["qwen3"] / "draft")
