@@ -43,10 +43,18 @@ def pair_identity(pair: Any, dtype: str | None) -> Identity:
         template = repr(template)
     return Identity(
         target=f"{Path(pair.model_path).resolve()}|{dtype or 'native'}|{dir_fingerprint(pair.model_path)}",
-        draft=f"{Path(pair.draft_path).resolve()}|{dtype or 'native'}|{dir_fingerprint(pair.draft_path)}",
+        draft=f"{Path(pair.draft_path).resolve()}|{_draft_dtype(pair)}|{dir_fingerprint(pair.draft_path)}",
         layer_ids=tuple(int(i) for i in pair.drafter.layer_ids),
         template=hashlib.sha256(template.encode()).hexdigest(),
     )
+
+
+def _draft_dtype(pair: Any) -> str:
+    """The dtype the loaded draft computes in (snapshots hold its context K/V): with no --dtype
+    it follows the target (engine/loading.py draft_dtype), so the option alone does not say it."""
+    norm = getattr(getattr(pair.drafter, "draft", None), "norm", None)
+    weight = getattr(norm, "weight", None)
+    return "unknown" if weight is None else str(weight.dtype).removeprefix("mlx.core.")
 
 
 def build_prefix_cache(cfg: DaemonConfig, pair: Any) -> PrefixCache:

@@ -225,3 +225,19 @@ def test_bf16_draft_computes_in_float32_beside_a_float32_target(pairs, tiny_dirs
     assert draft_dtype(model, "float16") == mx.float16
     half = load_pair(target, tmp_path / "bf16", dtype="float16").target.model
     assert draft_dtype(half, None) is None
+
+
+def test_snapshot_identity_names_the_draft_dtype_it_computes_in(tiny_dirs, tmp_path):
+    """Prefix snapshots hold the draft's context K/V: a draft cast up beside an fp32 target must
+    not share snapshots with the same draft loaded in bf16."""
+    from dflash.daemon.caching import pair_identity
+    from dflash.engine.loading import load_pair
+
+    d = load_draft(tiny_dirs["qwen3"] / "draft")
+    d.set_dtype(mx.bfloat16)
+    save_draft(d, tmp_path / "bf16")
+    target = tiny_dirs["qwen3"]
+    native = pair_identity(load_pair(target, tmp_path / "bf16"), None)
+    bf16 = pair_identity(load_pair(target, tmp_path / "bf16", dtype="bfloat16"), "bfloat16")
+    assert "|float32|" in native.draft and "|bfloat16|" in bf16.draft
+    assert native.draft != bf16.draft
