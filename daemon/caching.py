@@ -52,9 +52,9 @@ def pair_identity(pair: Any, dtype: str | None) -> Identity:
 def _draft_dtype(pair: Any) -> str:
     """The dtype the loaded draft computes in (snapshots hold its context K/V): with no --dtype
     it follows the target (engine/loading.py draft_dtype), so the option alone does not say it."""
-    norm = getattr(getattr(pair.drafter, "draft", None), "norm", None)
-    weight = getattr(norm, "weight", None)
-    return "unknown" if weight is None else str(weight.dtype).removeprefix("mlx.core.")
+    from dflash.engine.loading import main_dtype
+
+    return main_dtype(pair.drafter.draft) or "unknown"
 
 
 def build_prefix_cache(cfg: DaemonConfig, pair: Any) -> PrefixCache:

@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from .draft import DFlashDraft, DraftConfig
 from .drafters import DFlashDrafter, Drafter, OracleDrafter
-from .loading import DTYPES, draft_dtype, floating_dtypes
+from .loading import DTYPES, draft_dtype, floating_dtypes, main_dtype
 from .target import TargetModel, default_layer_ids
 
 # Named shapes for --random-target (public architecture numbers of the Qwen3 family).
@@ -291,9 +291,8 @@ def build_setup(cfg: BenchConfig) -> Setup:
 
 def _main_dtype(model: Any) -> str:
     """The floating dtype holding most weights (quantized models also carry uint32 packs)."""
-    sizes, packed = floating_dtypes(model)
-    name = sizes.most_common(1)[0][0] if sizes else "unknown"
-    return name + (" + quantized weights" if packed else "")
+    _, packed = floating_dtypes(model)
+    return (main_dtype(model) or "unknown") + (" + quantized weights" if packed else "")
 
 
 class CostedOracleDrafter:

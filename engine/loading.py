@@ -30,6 +30,12 @@ def floating_dtypes(model: Any) -> tuple[Counter, bool]:
     return sizes, packed
 
 
+def main_dtype(model: Any) -> str | None:
+    """The name of the floating dtype holding most of `model`'s weights (None: none)."""
+    sizes, _ = floating_dtypes(model)
+    return sizes.most_common(1)[0][0] if sizes else None
+
+
 def draft_dtype(target_model: Any, dtype: str | None) -> mx.Dtype | None:
     """The dtype the draft computes in: `dtype` when given; else float32 when the target's
     weights are float32, and the draft's stored dtype (None) otherwise.
@@ -43,8 +49,7 @@ def draft_dtype(target_model: Any, dtype: str | None) -> mx.Dtype | None:
     """
     if dtype is not None:
         return DTYPES[dtype]
-    sizes, _ = floating_dtypes(target_model)
-    return mx.float32 if sizes and sizes.most_common(1)[0][0] == "float32" else None
+    return mx.float32 if main_dtype(target_model) == "float32" else None
 
 
 @dataclass

@@ -41,6 +41,8 @@ LOG=/tmp/train_stdout.log
 # cache's derived_prompts.jsonl is the shard new prompts go to, and train-draft refuses it)
 FLAGS="--gen-batch-size 2048 --num-prompts 0 --exclude-prompts /tmp/train_out/data/derived_prompts.s3-5.jsonl --sampled-responses 0.5"
 RESTART=${RESTART_LR-4e-4}
+# the train phase's flags, for the campaign's run and for both arms of an A/B alike
+TRAIN_ARGS=(--miss-anchor-frac 0.5 --early-anchor-frac 0.3 ${RESTART:+--restart-lr $RESTART} $FLAGS ${TRAIN_FLAGS:-})
 done_bg() { grep -q TRAIN_DONE "$LOG" 2>/dev/null; }
 AB=${ARM_B+1}
 train_done() {  # the campaign's run, or both arms of an A/B
@@ -75,14 +77,12 @@ case $phase in
     grep -E "^\[data\]" "$LOG" | tail -3
     if [ -n "$AB" ]; then
       DERIVE=${DERIVE:?set DERIVE} TOTAL_STEPS=${TOTAL_STEPS:?set TOTAL_STEPS} bash scripts/h200_pair.sh ab \
-        "${BUDGET:-420}" /tmp/stage/files/draft "${ARM_A:-}" "$ARM_B" --miss-anchor-frac 0.5 \
-        --early-anchor-frac 0.3 ${RESTART:+--restart-lr $RESTART} $FLAGS ${TRAIN_FLAGS:-}
+        "${BUDGET:-420}" /tmp/stage/files/draft "${ARM_A:-}" "$ARM_B" "${TRAIN_ARGS[@]}"
       touch /tmp/ph_train
       exit 0
     fi
     DERIVE=${DERIVE:?set DERIVE} TOTAL_STEPS=${TOTAL_STEPS:?set TOTAL_STEPS} bash scripts/h200_pair.sh start \
-      "${BUDGET:-420}" /tmp/stage/files/draft --miss-anchor-frac 0.5 --early-anchor-frac 0.3 \
-      ${RESTART:+--restart-lr $RESTART} $FLAGS ${TRAIN_FLAGS:-}
+      "${BUDGET:-420}" /tmp/stage/files/draft "${TRAIN_ARGS[@]}"
     touch /tmp/ph_train ;;
   pack)
     if [ -n "$AB" ]; then
