@@ -428,7 +428,7 @@ class Worker:
             "error": self.compute.load_error,
             "uptime_s": round(time.time() - self.started, 3),
             "endpoint": self.endpoint,
-            "accel": accel.describe() + _row_padding(self.compute.pair),
+            "accel": accel.describe() + _pair_notes(self.compute.pair),
             "protocol": P.VERSION,
             "restarts": int(os.environ.get("DFLASH_WORKER_RESTARTS", "0")),
             "queued": self.jobs.queued_count(),
@@ -486,11 +486,14 @@ def _job_row(job: Job, jobs: JobQueue) -> dict[str, Any]:
     }
 
 
-def _row_padding(pair: Any) -> str:
-    """The loaded target's few-row padding (engine/rowpad.py), for the status line."""
+def _pair_notes(pair: Any) -> str:
+    """The loaded pair's CPU speed-ups for the status line: few-row padding (engine/rowpad.py)
+    and the draft's proposal vocabulary (engine/draftvocab.py)."""
     if pair is None:
         return ""
-    return "; few-row products padded" if pair.target.row_padding else ""
+    notes = "; few-row products padded" if pair.target.row_padding else ""
+    n = getattr(pair.drafter, "vocab_size", None)
+    return notes + (f"; draft proposes its {n} most frequent tokens" if n else "")
 
 
 def main(argv: list[str] | None = None) -> int:

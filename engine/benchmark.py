@@ -190,6 +190,7 @@ def compare_ids(got: list[int], want: list[int]) -> dict:
 def time_forward(
     target: TargetModel, ids: list[int], block: int, iters: int = 10,
     warmup: int = FORWARD_WARMUP, chunk: int = 512, draft: Any | None = None,
+    draft_vocab: list[int] | None = None,
 ) -> dict:
     """Median times of a target forward over M=block tokens, over M=1, and of the draft pass.
 
@@ -198,10 +199,11 @@ def time_forward(
     never ran at: iteration i steps one token at n+i (kept), drafts a block after it, verifies
     M=block at n+i+1 and rewinds that verify; the next step is at n+i+1. Each is synced (mx.eval)
     on its own, interleaved so drift hits all alike. `draft` (a DFlashDraft, optional): its whole
-    block + the LM head on block-1 rows, as a cycle runs it, fed the features computed here.
+    block + the LM head on block-1 rows, as a cycle runs it, fed the features computed here
+    (over `draft_vocab` only when given, as the drafter of the runs scores it).
     """
     caches = target.make_cache()
-    drafter = DFlashDrafter(draft, target) if draft is not None else None
+    drafter = DFlashDrafter(draft, target, draft_vocab) if draft is not None else None
     for s in range(0, len(ids), chunk):
         logits, feats = target.forward(mx.array(ids[s : s + chunk], dtype=mx.int32)[None], caches,
                                        last_only=True)
@@ -379,7 +381,7 @@ class Bench:
             ids = self.prompt(n)
         self.ledger.begin()
         fwd = time_forward(setup.target, ids, setup.block_size, cfg.verify_iters,
-                           draft=setup.draft_model)
+                           draft=setup.draft_model, draft_vocab=setup.draft_vocab)
         fwd["first_time"] = self.ledger.end(len(ids))["first_time"]
         draft = f", draft {fwd['draft_ms']:.2f} ms" if fwd["draft_ms"] is not None else ""
         self.log(f"   ctx {center} forward at {len(ids)}: M={setup.block_size} "
@@ -604,6 +606,7 @@ def method(cfg: BenchConfig, setup: Setup, runs: list[dict], first_time_used: bo
                         "what": "dflash's target forwards pad few-row products to the row count "
                                 "the BLAS does fastest, per weight shape (plan: rows -> padded "
                                 "rows; engine/rowpad.py); mlx-lm's baseline runs the model unpadded"},
+        "draft_vocab": (len(setup.draft_vocab) if setup.draft_vocab else None),  # engine/draftvocab.py: None = all
         "temperatures": list(cfg.temperatures),
         "top_p": cfg.top_p,
         "top_k": cfg.top_k,

@@ -16,6 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from . import draftvocab
 from .draft import DFlashDraft, DraftConfig
 from .drafters import DFlashDrafter, Drafter, OracleDrafter
 from .loading import DTYPES, draft_dtype, floating_dtypes, main_dtype
@@ -93,6 +94,7 @@ class Setup:
     random_prompts: bool  # random target: prompt ids are random ids in range
     description: str
     decisive: bool = False  # random target made decisive for the oracle (make_decisive)
+    draft_vocab: list[int] | None = None  # the ids the draft may propose (draftvocab; None: all)
 
 
 # --- building the target / draft ----------------------------------------------------------------
@@ -286,7 +288,11 @@ def build_setup(cfg: BenchConfig) -> Setup:
     target = TargetModel(model, layer_ids)
     dname = cfg.dtype or _main_dtype(model)
     desc = f"{cfg.model}" + (f" + draft {cfg.draft}" if draft is not None else "")
-    return Setup(target, tok, Path(cfg.model).name, dname, draft, block, False, desc)
+    vocab = draftvocab.choose(cfg.draft, target.vocab_size) if draft is not None else None
+    if vocab:
+        desc += f" (draft vocabulary: its {len(vocab)} most frequent tokens)"
+    return Setup(target, tok, Path(cfg.model).name, dname, draft, block, False, desc,
+                 draft_vocab=vocab)
 
 
 def _main_dtype(model: Any) -> str:
@@ -324,7 +330,8 @@ class CostedOracleDrafter:
 
 def make_drafter(setup: Setup, cfg: BenchConfig, reference: list[int], prompt_len: int) -> Drafter:
     """The drafter for one DFlash run: the real draft, or the oracle over `reference`."""
-    real = DFlashDrafter(setup.draft_model, setup.target) if setup.draft_model is not None else None
+    real = (DFlashDrafter(setup.draft_model, setup.target, setup.draft_vocab)
+            if setup.draft_model is not None else None)
     if not cfg.oracle:
         if real is None:
             raise ValueError("DFlash mode needs a draft (give --draft, or --draft-layers > 0)")

@@ -112,10 +112,12 @@ main.add_command(benchmark_command)
 from .convert import import_command  # noqa: E402
 from .training.loop import train_draft_command  # noqa: E402
 from .training.report import eval_draft_command  # noqa: E402
+from .training.vocab import draft_vocab_command  # noqa: E402
 
 main.add_command(import_command)
 main.add_command(train_draft_command)
 main.add_command(eval_draft_command)
+main.add_command(draft_vocab_command)
 
 try:  # the gateway needs pyzmq + the HTTP stack; the engine commands must not
     from dflash.daemon.gateway import serve_command  # noqa: E402

@@ -18,6 +18,7 @@ from mlx_lm.models.cache import KVCache
 from . import sampling as sampling_mod
 from . import verifyattn
 from .draft import DFlashDraft
+from .draftvocab import SubsetHead
 from .sampling import DraftSampling
 from .sparse import PositionedKVCache
 from .target import TargetModel
@@ -62,12 +63,16 @@ class Drafter(Protocol):
 
 
 class DFlashDrafter:
-    """The block-diffusion draft: one non-causal pass over [anchor, MASK x (B-1)]."""
+    """The block-diffusion draft: one non-causal pass over [anchor, MASK x (B-1)].
 
-    def __init__(self, draft: DFlashDraft, target: TargetModel):
+    `vocab` (draftvocab.choose): the token ids it may propose, scored by a head restricted to
+    them; None: the target's whole head."""
+
+    def __init__(self, draft: DFlashDraft, target: TargetModel, vocab: Sequence[int] | None = None):
         check_fit(draft, target)
         self.draft = draft
         self.target = target
+        self.head = SubsetHead(target, vocab) if vocab else None
         self.block_size = draft.config.block_size
         self.layer_ids = list(draft.config.target_layer_ids)
         self._masks = mx.full((self.block_size - 1,), draft.config.mask_token_id, mx.int32)
@@ -109,10 +114,19 @@ class DFlashDrafter:
         with verifyattn.active():  # the block's 16 queries over the context: fewq's kernel on CUDA
             h = self.draft(self.target.embed(block), anchor_pos, self.cache)
         rows = h[:, 1 : 1 + (self.block_size - 1 if count is None else count)]
+        logits = (self.target.lm_head if self.head is None else self.head)(rows)[0]
         if sampling is None:
-            return mx.argmax(self.target.lm_head(rows), axis=-1)[0].astype(mx.int32)
-        q = sampling_mod.probs(self.target.lm_head(rows)[0], sampling.params)
+            best = mx.argmax(logits, axis=-1)
+            return (best if self.head is None else self.head.token_ids(best)).astype(mx.int32)
+        if self.head is not None:
+            logits = self.head.full(logits)  # q is zero outside the subset
+        q = sampling_mod.probs(logits, sampling.params)
         return sampling_mod.draw(q, sampling.key), q
+
+    @property
+    def vocab_size(self) -> int | None:
+        """How many tokens the draft may propose (None: the target's whole vocabulary)."""
+        return None if self.head is None else self.head.size
 
 
 class OracleDrafter:

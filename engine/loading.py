@@ -9,6 +9,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from . import draftvocab
 from .draft import load_draft
 from .drafters import DFlashDrafter
 from .registry import resolve_draft
@@ -84,4 +85,5 @@ def load_pair(
     if draft_quant_bits:
         quantize_draft(draft_model, bits=draft_quant_bits)
     target = TargetModel(model_obj, draft_model.config.target_layer_ids)
-    return Pair(target, DFlashDrafter(draft_model, target), tokenizer, str(model), str(draft_path))
+    vocab = draftvocab.choose(draft_path, target.vocab_size)
+    return Pair(target, DFlashDrafter(draft_model, target, vocab), tokenizer, str(model), str(draft_path))

@@ -124,9 +124,9 @@ def test_padded_target_decodes_mlx_lm_greedy_ids(tiny_dirs, monkeypatch, padded,
 
 
 def test_the_workers_status_line_says_whether_rows_are_padded(tiny_dirs, monkeypatch):
-    from dflash.daemon.worker import _row_padding
+    from dflash.daemon.worker import _pair_notes
 
-    assert _row_padding(None) == ""  # still loading
+    assert _pair_notes(None) == ""  # still loading
     for forced, want in (("1", "; few-row products padded"), ("0", "")):
         monkeypatch.setenv(rowpad.ENV, forced)
-        assert _row_padding(load_pair(tiny_dirs["qwen3"], tiny_dirs["qwen3"] / "draft")) == want
+        assert _pair_notes(load_pair(tiny_dirs["qwen3"], tiny_dirs["qwen3"] / "draft")) == want

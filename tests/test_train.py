@@ -104,6 +104,12 @@ def test_train_tiny_draft_end_to_end(looping: Path, loop_data: Path, tmp_path: P
     assert log[-1]["blocks_per_s"] > 0 and log[-1]["block_tokens_per_s"] == 8 * log[-1]["blocks_per_s"]
     assert (out / "README.md").is_file() and summary["heldout"]["overall"]["prompts"] == 7
     assert len(summary["heldout"]["overall"]["accept_curve"]) == 7
+    # the draft's proposal vocabulary: its answers' tokens by frequency (engine/draftvocab.py)
+    from dflash.engine import draftvocab
+
+    vocab = draftvocab.read(out)
+    answers = [t for s in load_all_samples(loop_data) if s.split == "train" for t in s.response_ids]
+    assert vocab["tokens_counted"] == len(answers) and set(vocab["ranked"]) == set(answers)
     trainer = json.loads((out / "checkpoint" / "trainer.json").read_text())
     assert trainer["step"] == 40 and not (out / "checkpoint" / "optimizer").exists()
 
@@ -491,3 +497,28 @@ def test_early_anchor_frac_puts_that_share_at_the_answers_start():
     assert mx.array_equal(mx.array(early["anchors"][:, :-10]), mx.array(uniform["anchors"][:, :-10])).item()
     assert near(early["anchors"]).mean() > near(uniform["anchors"]).mean() + 0.15
     assert early["valid"].shape == uniform["valid"].shape
+
+
+def test_train_responses_picks_greedy_or_sampled_answers(looping: Path, tmp_path: Path):
+    """--train-responses greedy trains on the greedy answers of the cache only (their labels are
+    the path greedy decoding verifies), sampled on the others; a kind the cache lacks is an error."""
+    from dflash.engine.training.data import load_all_samples, responses_of_kind
+
+    data = tmp_path / "data"
+    lines: list[str] = []
+    train_draft(_opts(looping, tmp_path / "out", data, data_only=True, num_prompts=24,
+                      sampled_responses=0.5), log=lines.append)
+    samples = load_all_samples(data)
+    greedy = responses_of_kind(samples, "greedy")
+    sampled = responses_of_kind(samples, "sampled")
+    assert greedy and sampled and len(greedy) + len(sampled) == len(samples)
+    assert all(s.temperature == 0 for s in greedy) and all(s.temperature > 0 for s in sampled)
+    assert responses_of_kind(samples, "all") == samples
+    res = train_draft(_opts(looping, tmp_path / "out2", data, data_only=True, num_prompts=24,
+                            train_responses="greedy"), log=lines.append)
+    assert res["train_sequences"] == len(greedy)  # every greedy answer has >= 2 response tokens here
+    assert any(f"greedy answers only: {len(greedy)} of {len(samples)}" in x for x in lines)
+    with pytest.raises(ValueError, match="no sampled responses"):
+        responses_of_kind(greedy, "sampled")
+    with pytest.raises(ValueError, match="unknown response kind"):
+        responses_of_kind(samples, "hot")

@@ -501,6 +501,22 @@ def load_all_samples(data_dir: Path) -> list[Sample]:
     return list(out.values())
 
 
+def responses_of_kind(samples: list[Sample], kind: str) -> list[Sample]:
+    """The samples answered greedily ("greedy"), by sampling ("sampled"), or all of them.
+
+    Why: a block's labels at positions 2..B-1 are the answer's own next tokens, so on a sampled
+    answer they leave the greedy path as soon as one earlier token was not the argmax, while
+    greedy decoding verifies against that path only."""
+    if kind == "all":
+        return samples
+    if kind not in ("greedy", "sampled"):
+        raise ValueError(f"unknown response kind {kind!r}: all, greedy or sampled")
+    out = [s for s in samples if (s.temperature > 0) == (kind == "sampled")]
+    if not out:
+        raise ValueError(f"no {kind} responses in the data cache ({len(samples)} of the other kind)")
+    return out
+
+
 def collect_responses(
     model: Any, tokenizer: Any, prompts: list[tuple[str, str]], data_dir: Path,
     max_new_tokens: int, batch_size: int, log: Log = print, rank: int = 0, size: int = 1,

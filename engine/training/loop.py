@@ -32,6 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .. import draftvocab
 from ..draft import DFlashDraft, DraftConfig, save_draft
 from ..drafters import check_fit
 from ..target import TargetModel, default_layer_ids
@@ -154,6 +155,7 @@ class TrainOptions:
     max_new_tokens: int = 256
     sampled_responses: float = 0.0  # share of prompts answered by sampling (data.is_sampled)
     response_temperature: float = 0.7
+    train_responses: str = "all"  # which cached answers are trained on: all, greedy, sampled
     gen_batch_size: int = 64
     data_only: bool = False
     # evaluation, logs, checkpoints
@@ -296,6 +298,9 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
                                    opts.gen_batch_size, say, dist.rank, dist.size, dist.barrier,
                                    opts.sampled_responses, opts.response_temperature)
     t_gen = time.perf_counter() - t0
+    n_all, samples = len(samples), td.responses_of_kind(samples, opts.train_responses)
+    if opts.train_responses != "all":
+        say(f"[data] {opts.train_responses} answers only: {len(samples)} of {n_all} cached responses")
     longest = max(len(s.ids) for s in samples)
     seq_len = int(min(opts.max_len, -(-longest // 32) * 32))
     store = td.TokenStore.from_samples(samples, seq_len)
@@ -516,6 +521,10 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
     if not dist.main:
         return summary
     save_draft(draft, out)
+    # which tokens the draft proposes by default on the CPU: its answers' most frequent ones
+    ranked, counted = draftvocab.rank(s.response_ids for s in samples if s.split == "train")
+    draftvocab.write(out, ranked, draftvocab.DEFAULT_SIZE,
+                     f"{len(samples)} training responses of {data_dir}", counted)
     t0 = time.perf_counter()
     n_eval = len(heldout_pairs) if opts.eval_prompts is None else opts.eval_prompts
     eval_set = [td.Sample(k, p, td.chat_ids(tokenizer, p), [], "heldout")
@@ -576,6 +585,7 @@ def _cli():
     @click.option("--heldout-file", default=None, help="Held-out prompts (default: the committed engine/training/heldout_prompts.jsonl).")
     @click.option("--max-new-tokens", default=256, show_default=True)
     @click.option("--sampled-responses", default=0.0, show_default=True, type=click.FloatRange(0, 1), help="Share of prompts answered by sampling at --response-temperature instead of greedily (which prompts: a hash of their text; cached responses are kept as they are).")
+    @click.option("--train-responses", default="all", show_default=True, type=click.Choice(["all", "greedy", "sampled"]), help="Which cached answers are trained on: greedy ones match what greedy decoding verifies at every block position; sampled ones (--sampled-responses) what sampling meets.")
     @click.option("--response-temperature", default=0.7, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Temperature of the sampled responses.")
     @click.option("--gen-batch-size", default=64, show_default=True)
     @click.option("--data-only", is_flag=True, help="Generate (or complete) the data cache, then stop.")

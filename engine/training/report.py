@@ -14,10 +14,11 @@ Log = Callable[[str], None]
 
 def evaluate(
     target: TargetModel, draft: DFlashDraft, tokenizer: Any, samples: list[Any],
-    max_tokens: int = 128, log: Log = print,
+    max_tokens: int = 128, log: Log = print, vocab: list[int] | None = None,
 ) -> dict[str, Any]:
     """Acceptance, tokens per cycle (tau) and the per-position acceptance curve of `draft`,
-    overall and per prompt kind, decoding every prompt with the full 16-token verify.
+    overall and per prompt kind, decoding every prompt with the full 16-token verify
+    (`vocab`: the ids the draft may propose, draftvocab.choose; None: all).
 
     curve[k-1] = share of cycles whose first k drafts were all accepted (k = 1..B-1).
     Overall also `by_position`: tau of the cycles that start in each 16-token stretch of the
@@ -27,7 +28,7 @@ def evaluate(
     from ..drafters import DFlashDrafter
     from ..generate import Finished, TokenDelta, stream_dflash_generate
 
-    drafter = DFlashDrafter(draft, target)
+    drafter = DFlashDrafter(draft, target, vocab)
     sums: dict[str, dict[str, Any]] = {}
     by_pos: dict[int, list[int]] = {}  # 16-token stretch -> [cycles, accepted drafts]
     for s in samples:
@@ -145,6 +146,7 @@ def _eval_cli():
         import mlx.core as mx
         from mlx_lm import load
 
+        from .. import draftvocab
         from ..draft import load_draft
         from ..loading import draft_dtype
         from . import data as td
@@ -159,10 +161,17 @@ def _eval_cli():
             raise click.ClickException(str(e)) from e
         samples = [td.Sample(k, p, td.chat_ids(tokenizer, p), [], "heldout") for k, p in pairs]
         log = lambda s: click.echo(s, err=True)  # noqa: E731
-        report = evaluate(TargetModel(model, d.config.target_layer_ids), d, tokenizer, samples,
-                          max_tokens, log)
+        tm = TargetModel(model, d.config.target_layer_ids)
+        try:
+            vocab = draftvocab.choose(draft, tm.vocab_size)
+        except ValueError as e:
+            raise click.ClickException(str(e)) from e
+        if vocab:
+            log(f"[eval] draft vocabulary: its {len(vocab)} most frequent tokens ({draftvocab.ENV})")
+        report = evaluate(tm, d, tokenizer, samples, max_tokens, log, vocab)
         if out:
             rec = {"target": target, "draft": draft, "max_tokens": max_tokens, "dtype": dt,
+                   "draft_vocab": len(vocab) if vocab else None,
                    "device": str(mx.default_device()), "prompts": len(samples), "heldout": report}
             Path(out).write_text(json.dumps(rec, indent=2) + "\n")
 

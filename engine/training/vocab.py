@@ -1,0 +1,39 @@
+"""`dflash draft-vocab`: rank the tokens of a training data cache's answers into a draft's
+draft_vocab.json (engine/draftvocab.py says why a draft proposes only its frequent tokens)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from .. import draftvocab
+from . import data as td
+
+
+def rank_cache(data_dir: str | Path, kind: str = "all") -> tuple[list[int], int, int]:
+    """(ranked ids, tokens counted, responses used) over the cached answers of `kind`."""
+    samples = td.load_all_samples(Path(data_dir))
+    if not samples:
+        raise ValueError(f"no responses*.jsonl with answers in {data_dir}")
+    samples = td.responses_of_kind(samples, kind)
+    ranked, total = draftvocab.rank(s.response_ids for s in samples if s.split == "train")
+    return ranked, total, len(samples)
+
+
+@click.command("draft-vocab")
+@click.option("--data", "data_dir", required=True, help="A training data cache (responses*.jsonl, as train-draft writes it).")
+@click.option("--draft", required=True, help="The draft directory to write draft_vocab.json into.")
+@click.option("--size", default=draftvocab.DEFAULT_SIZE, show_default=True, type=click.IntRange(0), help="Default number of tokens the draft proposes on the CPU (0: all).")
+@click.option("--responses", default="all", show_default=True, type=click.Choice(["all", "greedy", "sampled"]), help="Which cached answers are counted.")
+def draft_vocab_command(data_dir, draft, size, responses):
+    """Rank the target's answer tokens by frequency into DRAFT/draft_vocab.json."""
+    if not (Path(draft) / "config.json").is_file():
+        raise click.ClickException(f"no draft in {draft} (no config.json)")
+    try:
+        ranked, total, n = rank_cache(data_dir, responses)
+        path = draftvocab.write(draft, ranked, size, f"{n} {responses} responses of {data_dir}", total)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"{path}: {len(ranked)} distinct tokens ranked from {total} answer tokens of {n} "
+               f"responses; default size {size or 'all'}")
