@@ -124,7 +124,7 @@ class DFlashDrafter:
         return sampling_mod.draw(q, sampling.key), q
 
     @property
-    def vocab_size(self) -> int | None:
+    def proposal_vocab(self) -> int | None:
         """How many tokens the draft may propose (None: the target's whole vocabulary)."""
         return None if self.head is None else self.head.size
 

@@ -104,7 +104,7 @@ def test_drafter_proposes_the_argmax_inside_its_vocabulary(pairs):
     draft = pair.drafter.draft
     whole = DFlashDrafter(draft, pair.target, list(range(pair.target.vocab_size)))
     part = DFlashDrafter(draft, pair.target, _subset(pair.target.vocab_size))
-    assert part.vocab_size == len(_subset(pair.target.vocab_size)) and pair.drafter.vocab_size is None
+    assert part.proposal_vocab == len(_subset(pair.target.vocab_size)) and pair.drafter.proposal_vocab is None
     logits, feats = pair.target.forward(mx.array(ids)[None], pair.target.make_cache())
     anchor = mx.argmax(logits[0, -1])
     got = {}
@@ -162,11 +162,11 @@ def test_pair_and_benchmark_setup_take_the_draft_s_file(tiny_dirs, tmp_path: Pat
     shutil.copytree(tiny_dirs["qwen3"] / "draft", d)
     draftvocab.write(d, list(range(40, 0, -1)), 16, "test", 40)
     pair = load_pair(tiny_dirs["qwen3"], d)
-    assert pair.drafter.vocab_size == 16
+    assert pair.drafter.proposal_vocab == 16
     setup = build_setup(BenchConfig(model=str(tiny_dirs["qwen3"]), draft=str(d)))
     assert setup.draft_vocab == list(range(25, 41))
     from dflash.daemon.worker import _pair_notes
 
     assert _pair_notes(pair).endswith("; draft proposes its 16 most frequent tokens")  # dflashd status
     monkeypatch.setenv(draftvocab.ENV, "full")
-    assert load_pair(tiny_dirs["qwen3"], d).drafter.vocab_size is None
+    assert load_pair(tiny_dirs["qwen3"], d).drafter.proposal_vocab is None
