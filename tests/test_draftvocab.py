@@ -170,3 +170,33 @@ def test_pair_and_benchmark_setup_take_the_draft_s_file(tiny_dirs, tmp_path: Pat
     assert _pair_notes(pair).endswith("; draft proposes its 16 most frequent tokens")  # dflashd status
     monkeypatch.setenv(draftvocab.ENV, "full")
     assert load_pair(tiny_dirs["qwen3"], d).drafter.proposal_vocab is None
+
+
+def test_draft_vocab_command_ranks_a_data_cache(tiny_dirs, tmp_path: Path):
+    """`dflash draft-vocab`: answers of the chosen kind ranked into DRAFT/draft_vocab.json; a
+    missing draft or an empty cache is a clear error, not a traceback."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from dflash.engine.cli import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [dict(kind="k", prompt="a", prompt_ids=[1, 2], response_ids=[7, 7, 5]),
+            dict(kind="k", prompt="b", prompt_ids=[1], response_ids=[5, 9, 7], temperature=0.7),
+            dict(kind="k", prompt="c", prompt_ids=[1], response_ids=[3], split="heldout")]
+    (data / "responses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    d = tmp_path / "draft"
+    shutil.copytree(tiny_dirs["qwen3"] / "draft", d)
+    run = CliRunner().invoke
+    res = run(main, ["draft-vocab", "--data", str(data), "--draft", str(d), "--size", "2"])
+    assert res.exit_code == 0, res.output
+    body = draftvocab.read(d)
+    assert body["ranked"] == [7, 5, 9] and body["default_size"] == 2 and body["tokens_counted"] == 6
+    res = run(main, ["draft-vocab", "--data", str(data), "--draft", str(d), "--responses", "greedy"])
+    assert res.exit_code == 0 and draftvocab.read(d)["ranked"] == [7, 5]
+    res = run(main, ["draft-vocab", "--data", str(data), "--draft", str(tmp_path / "none")])
+    assert res.exit_code != 0 and "no draft in" in res.output
+    res = run(main, ["draft-vocab", "--data", str(tmp_path / "empty"), "--draft", str(d)])
+    assert res.exit_code != 0 and "no responses" in res.output
