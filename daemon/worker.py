@@ -492,7 +492,7 @@ def _pair_notes(pair: Any) -> str:
     if pair is None:
         return ""
     notes = "; few-row products padded" if pair.target.row_padding else ""
-    n = getattr(pair.drafter, "proposal_vocab", None)
+    n = pair.drafter.proposal_vocab
     return notes + (f"; draft proposes its {n} most frequent tokens" if n else "")
 
 

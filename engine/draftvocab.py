@@ -104,10 +104,9 @@ def choose(draft_dir: str | Path | None, vocab_size: int) -> list[int] | None:
     if body is None:
         raise ValueError(f"{ENV}={n} needs a ranking: the draft {draft_dir} has no {FILE} "
                          "(write one with `dflash draft-vocab`)")
-    ranked = [t for t in body["ranked"] if t < vocab_size]
     if n >= vocab_size:
         return None
-    return sorted(ranked[:n])
+    return sorted([t for t in body["ranked"] if t < vocab_size][:n])
 
 
 class SubsetHead:
@@ -119,7 +118,7 @@ class SubsetHead:
         self.target = target
         self.size = len(ids)
         self.ids = mx.array(list(ids), dtype=mx.int32)
-        src = target.outer.lm_head if "lm_head" in target.outer else target.inner.embed_tokens
+        src = target.head_module
         weight = src.weight[self.ids]
         if "scales" in src:  # quantized rows: dequantize the kept ones once (V/N times fewer)
             weight = mx.dequantize(weight, src.scales[self.ids],
@@ -135,9 +134,7 @@ class SubsetHead:
     def __call__(self, h: mx.array) -> mx.array:
         """Logits [.., N] over the subset, with the target's soft-capping if it has one."""
         with rowpad.active():
-            logits = self.proj(h)
-        cap = getattr(self.target.args, "final_logit_softcapping", None)
-        return mx.tanh(logits / cap) * cap if cap else logits
+            return self.target.cap_logits(self.proj(h))
 
     def token_ids(self, index: mx.array) -> mx.array:
         """Vocabulary ids of subset positions."""

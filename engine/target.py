@@ -137,17 +137,22 @@ class TargetModel:
             h = h * mx.array(self.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
         return h
 
+    @property
+    def head_module(self) -> Any:
+        """The module whose weight rows are the LM head: lm_head, or the tied embedding."""
+        return self.outer.lm_head if "lm_head" in self.outer else self.inner.embed_tokens
+
     def lm_head(self, h: mx.array) -> mx.array:
         """The target's LM head (or tied embedding), with logit soft-capping if it has one."""
+        head = self.head_module
         with rowpad.active():
-            if "lm_head" in self.outer:
-                logits = self.outer.lm_head(h)
-            else:
-                logits = self.inner.embed_tokens.as_linear(h)
+            logits = head(h) if head is not self.inner.embed_tokens else head.as_linear(h)
+        return self.cap_logits(logits)
+
+    def cap_logits(self, logits: mx.array) -> mx.array:
+        """The family's final logit soft-capping (Gemma), else the logits as they are."""
         cap = getattr(self.args, "final_logit_softcapping", None)
-        if cap:
-            logits = mx.tanh(logits / cap) * cap
-        return logits
+        return mx.tanh(logits / cap) * cap if cap else logits
 
     # --- forward ----------------------------------------------------------------------------
     def make_cache(self) -> list[Any]:

@@ -41,6 +41,7 @@ from . import data as td
 from .grow import grow
 from .objective import block_loss, cast_tree, default_gamma, position_weights, target_pass
 from .report import evaluate, write_model_card
+from .vocab import rank_samples
 from .schedule import Schedule, warmup_steps_for
 
 Log = Callable[[str], None]
@@ -522,7 +523,7 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
         return summary
     save_draft(draft, out)
     # which tokens the draft proposes by default on the CPU: its answers' most frequent ones
-    ranked, counted = draftvocab.rank(s.response_ids for s in samples if s.split == "train")
+    ranked, counted = rank_samples(samples)
     draftvocab.write(out, ranked, draftvocab.DEFAULT_SIZE,
                      f"{len(samples)} training responses of {data_dir}", counted)
     t0 = time.perf_counter()

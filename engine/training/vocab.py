@@ -11,14 +11,18 @@ from .. import draftvocab
 from . import data as td
 
 
+def rank_samples(samples: list[td.Sample]) -> tuple[list[int], int]:
+    """(ranked ids, tokens counted) over the answers of the training samples."""
+    return draftvocab.rank(s.response_ids for s in samples if s.split == "train")
+
+
 def rank_cache(data_dir: str | Path, kind: str = "all") -> tuple[list[int], int, int]:
     """(ranked ids, tokens counted, responses used) over the cached answers of `kind`."""
     samples = td.load_all_samples(Path(data_dir))
     if not samples:
         raise ValueError(f"no responses*.jsonl with answers in {data_dir}")
     samples = td.responses_of_kind(samples, kind)
-    ranked, total = draftvocab.rank(s.response_ids for s in samples if s.split == "train")
-    return ranked, total, len(samples)
+    return (*rank_samples(samples), len(samples))
 
 
 @click.command("draft-vocab")
