@@ -9,8 +9,8 @@ the Python time to build its graph (the call returns, nothing evaluated) and the
 cache length not used before in this process (after warm-up calls at other lengths; medians).
 Then mlx-lm's own trick, a decode loop that builds step i+1 while step i runs, in ms a token;
 and the same forwards with each layer's MLP compiled (mx.compile: one fused graph per shape),
-which says how much fusing the small ops would buy. Ids are not compared here: the benchmark
-checks losslessness.
+which says how much fusing the small ops would buy (and whether the logits stay bitwise the
+same: `mlp_compiled_logits_equal`).
 """
 
 from __future__ import annotations
@@ -96,6 +96,15 @@ def probe(args: argparse.Namespace) -> dict:
         for layer, m in zip(target.layers, mlps):
             object.__setattr__(layer, "mlp", m)  # the module itself stays the layer's child
 
+    def logits_of(mlps) -> mx.array:  # a 16-token block's logits at one cache state
+        use(mlps)
+        out, _ = target.forward(mx.arange(16, dtype=mx.int32)[None] + 100, caches)
+        mx.eval(out)
+        for c in caches:
+            c.offset -= 16
+        return out
+
+    same = bool(mx.array_equal(logits_of(plain), logits_of(fused)).item())
     samples: dict[str, list] = {}
     for _ in range(args.rounds):
         for name, mlps in (("", plain), ("mlp_compiled_", fused)):
@@ -122,6 +131,7 @@ def probe(args: argparse.Namespace) -> dict:
                   "build + mx.eval, synced before; medians over --repeats calls, each at a cache "
                   "length not used before, after 3 warm-up calls; loops: ms a token over 64 steps; "
                   "variants alternate over --rounds rounds: medians over rounds, each round listed",
+        "mlp_compiled_logits_equal": same,  # bitwise, a 16-token block at one cache state
         "rows": rows,
     }
 

@@ -1,0 +1,27 @@
+"""scripts/host_probe.py: build / total times per forward kind and variant, on a tiny pair."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_probe_times_every_forward_and_compiled_mlps_keep_the_logits(tiny_dirs, tmp_path: Path):
+    out = tmp_path / "probe.json"
+    d = tiny_dirs["llama"]
+    subprocess.run([sys.executable, str(REPO / "scripts/host_probe.py"), "--model", str(d),
+                    "--draft", str(d / "draft"), "--repeats", "2", "--rounds", "2", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    res = json.loads(out.read_text())
+    assert res["mlp_compiled_logits_equal"] is True
+    rows = res["rows"]
+    for kind in ("step", "verify16", "verify16_eager", "draft15", "mlp_compiled_step",
+                 "mlp_compiled_verify16", "mlp_compiled_verify16_eager"):
+        r = rows[kind]
+        assert 0 < r["build_ms"] <= r["total_ms"] and len(r["rounds_total_ms"]) == 2
+    for kind in ("loop_ms_per_token", "mlp_compiled_loop_ms_per_token"):
+        assert rows[kind]["median"] > 0 and len(rows[kind]["rounds"]) == 2
