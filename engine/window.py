@@ -66,7 +66,11 @@ from .lookup import CopyAcceptance
 # for the widths in use, and this table stays the prior. Session 12's Xeon VM with MKL threaded over
 # both cores (accel.py's default since), the same k-token verify at a 300-token cache, two runs: 2, 3, 4,
 # 5, 6, 8, 12, 16 tokens cost 1.18-1.23, 1.28-1.35, 1.54-1.62, 1.66, 1.71-1.81, 1.80-1.83, 2.09-2.36,
-# 2.30-2.39 steps.
+# 2.30-2.39 steps; session 14's VM (60-200-token cache, medians of 5 interleaved rounds): 1.12, 1.23,
+# 1.46, 1.55, 1.59, 1.83, 2.06, 2.14. That measured curve as the prior did not pay (session 14, two
+# interleaved pairs of `dflash benchmark --chat --max-tokens 128 --repeats 2`: geometric means 1.57x
+# and 1.69x against this table's 1.73x and 1.71x): it drafts more where acceptance is 10-20%, while
+# a padded plain step already runs 1.1-1.2x mlx-lm's, so this table's lean to plain steps stays.
 # GPU: linear, c = 0.035 a token (an 8B shape in bf16 on the H200: M=16 / M=1 = 1.4-1.55).
 # d is a start value that measurement replaces.
 CPU_VERIFY_COST = {1: 1.0, 2: 1.0, 3: 1.47, 4: 1.72, 5: 1.95, 6: 2.0, 8: 2.11, 12: 2.55, 16: 2.96}
