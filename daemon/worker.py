@@ -37,7 +37,7 @@ import zmq.auth
 from dflash.cache.client import CacheClient
 from dflash.cache.positions import PositionStore, Unavailable
 
-from dflash.engine import accel
+from dflash.engine import accel, draftvocab
 
 from . import caching, codec, lifeline, paths
 from . import protocol as P
@@ -493,7 +493,7 @@ def _pair_notes(pair: Any) -> str:
         return ""
     notes = "; few-row products padded" if pair.target.row_padding else ""
     n = pair.drafter.proposal_vocab
-    return notes + (f"; draft proposes its {n} most frequent tokens" if n else "")
+    return notes + (f"; draft proposes {draftvocab.describe(n)}" if n else "")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -290,7 +290,7 @@ def build_setup(cfg: BenchConfig) -> Setup:
     desc = f"{cfg.model}" + (f" + draft {cfg.draft}" if draft is not None else "")
     vocab = draftvocab.choose(cfg.draft, target.vocab_size) if draft is not None else None
     if vocab:
-        desc += f" (draft vocabulary: its {len(vocab)} most frequent tokens)"
+        desc += f" (draft vocabulary: {draftvocab.describe(len(vocab))})"
     return Setup(target, tok, Path(cfg.model).name, dname, draft, block, False, desc,
                  draft_vocab=vocab)
 

@@ -35,6 +35,11 @@ ENV = "DFLASH_DRAFT_VOCAB"
 DEFAULT_SIZE = 16384  # what `dflash draft-vocab` and train-draft write as a new ranking's default
 
 
+def describe(size: int) -> str:
+    """How status lines and logs name a restricted proposal vocabulary of `size` tokens."""
+    return f"its {size} most frequent tokens"
+
+
 def rank(responses: Iterable[Sequence[int]]) -> tuple[list[int], int]:
     """(token ids by falling frequency, ties by id; how many tokens were counted)."""
     counts: Counter[int] = Counter()

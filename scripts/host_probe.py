@@ -22,6 +22,7 @@ import time
 
 import mlx.core as mx
 
+from dflash.engine import rollback
 from dflash.engine.loading import load_pair
 
 
@@ -63,8 +64,7 @@ def probe(args: argparse.Namespace) -> dict:
             # a new cache length per call: grow by one token, then undo the rest of the block
             block = mx.full((1, width), 13, mx.int32)
             out, f = target.forward(block, caches, eager=eager)
-            for c in caches:
-                c.offset -= width - 1
+            rollback.rewind(caches, target.layers, 1, width, None)
             return [out, f]
         return run
 
@@ -100,8 +100,7 @@ def probe(args: argparse.Namespace) -> dict:
         use(mlps)
         out, _ = target.forward(mx.arange(16, dtype=mx.int32)[None] + 100, caches)
         mx.eval(out)
-        for c in caches:
-            c.offset -= 16
+        rollback.rewind(caches, target.layers, 0, 16, None)
         return out
 
     same = bool(mx.array_equal(logits_of(plain), logits_of(fused)).item())

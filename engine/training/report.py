@@ -167,7 +167,7 @@ def _eval_cli():
         except ValueError as e:
             raise click.ClickException(str(e)) from e
         if vocab:
-            log(f"[eval] draft vocabulary: its {len(vocab)} most frequent tokens ({draftvocab.ENV})")
+            log(f"[eval] draft vocabulary: {draftvocab.describe(len(vocab))} ({draftvocab.ENV})")
         report = evaluate(tm, d, tokenizer, samples, max_tokens, log, vocab)
         if out:
             rec = {"target": target, "draft": draft, "max_tokens": max_tokens, "dtype": dt,
