@@ -487,11 +487,14 @@ def _job_row(job: Job, jobs: JobQueue) -> dict[str, Any]:
 
 
 def _pair_notes(pair: Any) -> str:
-    """The loaded pair's CPU speed-ups for the status line: few-row padding (engine/rowpad.py)
-    and the draft's proposal vocabulary (engine/draftvocab.py)."""
+    """The loaded pair's speed settings for the status line: few-row padding (engine/rowpad.py),
+    draft rows per verify (engine/branches.py) and the draft's proposal vocabulary
+    (engine/draftvocab.py)."""
     if pair is None:
         return ""
     notes = "; few-row products padded" if pair.target.row_padding else ""
+    if pair.target.branches > 1:
+        notes += f"; {pair.target.branches} draft rows a greedy verify"
     n = pair.drafter.proposal_vocab
     return notes + (f"; draft proposes {draftvocab.describe(n)}" if n else "")
 

@@ -601,6 +601,7 @@ def method(cfg: BenchConfig, setup: Setup, runs: list[dict], first_time_used: bo
         "verify_attention": setup.target.verify_attention,  # engine/verifyattn.py: mlx, kernel, fastexp
         "pipelined": setup.target.pipelined,  # DFLASH_PIPELINE: verifies queued layer group by group
         "run_ahead": setup.target.run_ahead,  # DFLASH_RUNAHEAD: next draft queued before the read
+        "branches": setup.target.branches,  # DFLASH_BRANCHES: draft rows per greedy verify
         "row_padding": {"dflash": setup.target.row_padding, "baseline": False,
                         "plan": setup.target.row_plan,
                         "what": "dflash's target forwards pad few-row products to the row count "

@@ -15,6 +15,7 @@ from typing import Protocol, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from . import branches
 from . import sampling as sampling_mod
 from . import verifyattn
 from .draft import DFlashDraft
@@ -48,6 +49,7 @@ class Drafter(Protocol):
         anchor_pos: int,
         count: int | None = None,
         sampling: DraftSampling | None = None,
+        rows: int = 1,
     ) -> mx.array | tuple[mx.array, mx.array | None]:
         """Draft ids for positions anchor_pos+1 .. anchor_pos+count (default B-1), lazy.
 
@@ -58,6 +60,8 @@ class Drafter(Protocol):
         55% on 16 held-out prompts at window 2, and tokens per cycle 2.13 -> 1.97 at window 4.)
         With `sampling`: (ids, q), the ids drawn from q (count, V), or q None (ids only).
         A drafter without the `sampling` parameter is used as an ids-only one.
+        `rows` > 1 (greedy, a drafter with the parameter): ids [rows', count], several
+        proposals for one batched verify (engine/branches.py); rows' may be fewer.
         """
         ...
 
@@ -105,6 +109,7 @@ class DFlashDrafter:
         anchor_pos: int,
         count: int | None = None,
         sampling: DraftSampling | None = None,
+        rows: int = 1,
     ) -> mx.array | tuple[mx.array, mx.array]:
         if self.context_len != anchor_pos:
             raise RuntimeError(
@@ -113,8 +118,11 @@ class DFlashDrafter:
         block = mx.concatenate([anchor.reshape(1).astype(mx.int32), self._masks])[None]
         with verifyattn.active():  # the block's 16 queries over the context: fewq's kernel on CUDA
             h = self.draft(self.target.embed(block), anchor_pos, self.cache)
-        rows = h[:, 1 : 1 + (self.block_size - 1 if count is None else count)]
-        logits = (self.target.lm_head if self.head is None else self.head)(rows)[0]
+        hidden = h[:, 1 : 1 + (self.block_size - 1 if count is None else count)]
+        logits = (self.target.lm_head if self.head is None else self.head)(hidden)[0]
+        if sampling is None and rows > 1:
+            ids = branches.rows_from_logits(logits, rows)
+            return ids if self.head is None else self.head.token_ids(ids).astype(mx.int32)
         if sampling is None:
             best = mx.argmax(logits, axis=-1)
             return (best if self.head is None else self.head.token_ids(best)).astype(mx.int32)

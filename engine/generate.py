@@ -28,6 +28,7 @@ from .prefix import PrefixSession
 from .sampling import DraftSampling, KeyChain, SamplingParams
 from .target import TargetModel
 from .verify import Verified, verify
+from .branches import MIN_WIDTH
 from .window import VerifyWindow, WindowMemory
 
 
@@ -62,6 +63,8 @@ class GenerationStats:
     plain_steps: int = 0  # cycles run as plain decode steps (window 1: drafting did not pay)
     copy_cycles: int = 0  # cycles that verified a copy proposal instead of the model's draft
     copy_accepted: int = 0  # copied tokens accepted (part of accepted_drafts)
+    branch_rows: int = 1  # draft rows per model-draft verify (engine/branches.py; greedy only)
+    branch_wins: int = 0  # cycles that kept a row other than the draft's top-1 one
     run_ahead: int = 0  # draft cycles whose draft was queued during the previous verify
     # decode tok/s x the mean plain-step time measured in this very run: how much faster than
     # plain decoding this generation went (an estimate; 0 when no plain step was timed)
@@ -100,6 +103,7 @@ def stream_dflash_generate(
     seed: int | None = None,
     copy_draft: bool = True,
     window_memory: WindowMemory | None = None,
+    branches: int | None = None,
 ) -> Iterator[TokenDelta | Finished]:
     """DFlash generation. Yields TokenDelta events, then one Finished with the stats.
 
@@ -123,6 +127,9 @@ def stream_dflash_generate(
 
     window_memory: the same object for every generation of this pair (the daemon keeps one):
     the "auto" window starts from what the earlier ones measured and leaves its own there.
+
+    branches: draft rows per verify (engine/branches.py; None: the target's DFLASH_BRANCHES).
+    Greedy model drafts over plain KV caches only; elsewhere one row. Never changes the output.
     """
     params = SamplingParams(temperature, top_p, top_k, seed)
     keys = None if params.greedy else KeyChain(params.seed)  # None: greedy, no randomness
@@ -188,7 +195,15 @@ def stream_dflash_generate(
     verified_tokens = 0
 
     no_drafts = mx.zeros((0,), mx.int32)  # a plain step verifies the anchor alone
-    drafter_samples = "sampling" in inspect.signature(drafter.propose).parameters
+    drafter_params = inspect.signature(drafter.propose).parameters
+    drafter_samples = "sampling" in drafter_params
+    branch_rows = target.branches if branches is None else branches
+    if branch_rows < 1:
+        raise ValueError(f"branches must be >= 1, got {branch_rows}")
+    if keys is not None or "rows" not in drafter_params or not rollback.rows_supported(caches):
+        branch_rows = 1  # sampled cycles, ids-only drafters and other cache kinds verify one row
+    stats.branch_rows = branch_rows
+    by_rows = {"rows": branch_rows} if branch_rows > 1 else {}
     # Copy drafting's lookup over the prompt and every committed token (host-side ids, known at
     # each cycle's one host read); plain decoding (window 1) never copies.
     proposer = CopyProposer() if copy_draft and window.fixed != 1 else None
@@ -242,13 +257,16 @@ def stream_dflash_generate(
             cyc = check(anchor, mx.array(copy, dtype=mx.int32))
             cyc.copied = True
             return cyc
-        if ready is not None:  # greedy only: ids of the first k-1 rows, as propose(k-1) gives
-            drafts, q = ready[: k - 1], None
+        rows_here = by_rows if k >= MIN_WIDTH else {}
+        if ready is not None:  # greedy only: ids of the first k-1 positions, as propose(k-1) gives
+            if ready.ndim == 2 and not rows_here:
+                ready = ready[0]  # the top-1 row: this window is too narrow for several
+            drafts, q = ready[..., : k - 1], None
             stats.run_ahead += 1
         else:
             flush()
             if draft_key is None or not drafter_samples:  # ids only: q is one-hot at them
-                drafts, q = drafter.propose(anchor, pos, k - 1), None
+                drafts, q = drafter.propose(anchor, pos, k - 1, **rows_here), None
             else:
                 drafts, q = drafter.propose(anchor, pos, k - 1,
                                             sampling=DraftSampling(params, draft_key))
@@ -258,7 +276,7 @@ def stream_dflash_generate(
         if runs_ahead and window.likely_full(k):
             flush()
             drafter.add_context(cyc.features)
-            cyc.ahead = drafter.propose(cyc.tokens[k - 1], pos + k)
+            cyc.ahead = drafter.propose(cyc.tokens[k - 1], pos + k, **by_rows)
             mx.async_eval(cyc.ahead)
         return cyc
 
@@ -303,6 +321,7 @@ def stream_dflash_generate(
             stats.accept_histogram[accepted] += 1
             stats.copy_cycles += cyc.copied
             stats.copy_accepted += accepted if cyc.copied else 0
+            stats.branch_wins += cyc.rows > 1 and values[-1] != 0
             window.observe(cyc.block_len, accepted, cycle_s, cyc.copied)
             verified_tokens += cyc.block_len
             new = values[1 : 1 + n_keep]

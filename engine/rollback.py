@@ -12,12 +12,18 @@ fed. How depends on the cache kind:
   cache keeps its keys in temporal order with their true positions, so trim is a slice.
 - ArraysCache (Gated DeltaNet): restore from the verify tape (see tape.py), replaying only the
   accepted steps.
+
+A verify of several rows (engine/branches.py) first copies the committed cache into every row
+(`tile_rows`), then keeps the winning row (`keep_row`) before the rewind above; only plain
+KVCaches take part (`rows_supported`): a ring, a recurrent state or a quantized tuple would each
+need their own copy, and the targets that have them verify one row.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
+import mlx.core as mx
 from mlx_lm.models.cache import (
     ArraysCache,
     KVCache,
@@ -72,6 +78,27 @@ def plain_step_undoable(caches: Sequence[Any]) -> bool:
     oldest row: that row is gone, so such targets never run plain steps (window >= 2).
     """
     return not any(isinstance(c, RotatingKVCache) for c in caches)
+
+
+def rows_supported(caches: Sequence[Any]) -> bool:
+    """Whether a verify may run several rows over these caches (every one a plain KVCache)."""
+    return all(type(c) is KVCache for c in caches)
+
+
+def tile_rows(caches: Sequence[Any], rows: int) -> None:
+    """Give every (one-row) cache `rows` identical rows, lazily, for a verify of that many."""
+    for c in caches:
+        if c.keys is not None:
+            c.keys = mx.repeat(c.keys, rows, axis=0)
+            c.values = mx.repeat(c.values, rows, axis=0)
+
+
+def keep_row(caches: Sequence[Any], row: mx.array) -> None:
+    """Keep one row of every cache (`row`: a device index, so nothing waits for the host)."""
+    index = row.reshape(1)
+    for c in caches:
+        c.keys = mx.take(c.keys, index, axis=0)
+        c.values = mx.take(c.values, index, axis=0)
 
 
 def needs_tape(caches: Sequence[Any]) -> bool:

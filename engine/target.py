@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from . import rowpad, tape, verifyattn
+from . import branches, rowpad, tape, verifyattn
 
 _CAPTURE_CLASSES: dict[type, type] = {}
 PIPELINE_ENV = "DFLASH_PIPELINE"
@@ -118,6 +118,7 @@ class TargetModel:
         self.verify_attention = verifyattn.configure()
         self.pipelined = pipelined_default()  # DFLASH_PIPELINE, read once at load
         self.run_ahead = self.pipelined and os.environ.get(RUNAHEAD_ENV, "1").strip() != "0"
+        self.branches = branches.configure()  # DFLASH_BRANCHES: draft rows per greedy verify
         # few-row products padded to the row count the BLAS does fastest (CPU + MKL; rowpad.py)
         plans = rowpad.plan(model)
         rowpad.pad_rows(model, plans)

@@ -4,6 +4,11 @@ Greedy (no sampling params): a draft is kept while it equals the target's argmax
 speculative sampling (engine/sampling.py), exact for any draft. Either way acceptance is MLX
 ops, so the cycle needs a single host read (the summary array: accepted count + the emitted
 ids) and nothing scales with the vocabulary in Python.
+
+Greedy drafts may come as several rows [R, k-1] (engine/branches.py): the target scores all R
+blocks in one batched pass over caches copied into R rows, and the row accepted furthest is
+kept (row 0 on ties) -- its tokens, its features, its cache row -- all chosen on the device, so
+to the caller the cycle looks like one verify of that row.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from . import rollback
 from . import sampling as sampling_mod
 from . import tape as tape_mod
 from .sampling import SamplingParams
@@ -32,12 +38,14 @@ class Verified:
     # the next cycle's draft, queued behind this verify on the bet that all its drafts are
     # accepted (engine/generate.py, run-ahead); the draft's context already holds this block
     ahead: mx.array | None = None
+    rows: int = 1  # proposals verified in this pass; > 1: summary ends with the kept row's index
 
 
 def greedy_accept(drafts: mx.array, greedy: mx.array) -> mx.array:
-    """Length of the longest prefix where drafts[i] == greedy[i] (the target's own choice)."""
-    match = (drafts == greedy[: drafts.shape[0]]).astype(mx.int32)
-    return mx.cumprod(match).sum()
+    """Length of the longest prefix where drafts[..., i] == greedy[..., i] (the target's own
+    choice), per row when drafts has rows."""
+    match = (drafts == greedy[..., : drafts.shape[-1]]).astype(mx.int32)
+    return mx.cumprod(match, axis=-1).sum(axis=-1)
 
 
 def verify(
@@ -54,7 +62,14 @@ def verify(
 
     Greedy when `sampling` is None; otherwise `key` drives the draws and `q` (k, V) holds the
     probs the drafts were drawn from (None: a deterministic drafter, q one-hot at the drafts).
+    Greedy drafts [R, k-1] with R > 1: see `verify_rows`.
     """
+    if drafts.ndim == 2:
+        if sampling is not None or record_tape:
+            raise ValueError("several draft rows are verified greedily over KV caches only")
+        if drafts.shape[0] > 1:
+            return verify_rows(target, caches, anchor, drafts)
+        drafts = drafts[0]
     plain = drafts.shape[0] == 0  # a plain decode step: nothing to accept, no ops spent on it
     anchor = anchor.reshape(1).astype(mx.int32)
     drafts = drafts.astype(mx.int32)
@@ -75,3 +90,22 @@ def verify(
     summary = mx.concatenate([accepted.reshape(1).astype(mx.int32), tokens])
     mx.async_eval(summary, features)
     return Verified(block.shape[1], tokens, features, tp, summary)
+
+
+def verify_rows(target: TargetModel, caches: list[Any], anchor: mx.array, drafts: mx.array) -> Verified:
+    """Greedy verify of R draft rows [R, k-1] after one anchor in one batched pass; keeps the
+    row accepted furthest (caches, tokens, features), all lazily on the device."""
+    rows, width = drafts.shape[0], drafts.shape[1] + 1
+    anchor = mx.broadcast_to(anchor.reshape(1, 1).astype(mx.int32), (rows, 1))
+    block = mx.concatenate([anchor, drafts.astype(mx.int32)], axis=1)
+    rollback.tile_rows(caches, rows)
+    logits, features = target.forward(block, caches, eager=True)
+    greedy = mx.argmax(logits, axis=-1).astype(mx.int32)  # [R, k]
+    accepted = greedy_accept(block[:, 1:], greedy)  # [R]
+    best = mx.argmax(accepted).astype(mx.int32)  # the first of the longest: row 0 on ties
+    rollback.keep_row(caches, best)
+    tokens = greedy[best]
+    features = mx.take(features, best.reshape(1), axis=0)
+    summary = mx.concatenate([accepted[best].reshape(1), tokens, best.reshape(1)])
+    mx.async_eval(summary, features)
+    return Verified(width, tokens, features, None, summary, rows=rows)

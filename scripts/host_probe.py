@@ -10,7 +10,9 @@ cache length not used before in this process (after warm-up calls at other lengt
 Then mlx-lm's own trick, a decode loop that builds step i+1 while step i runs, in ms a token;
 and the same forwards with each layer's MLP compiled (mx.compile: one fused graph per shape),
 which says how much fusing the small ops would buy (and whether the logits stay bitwise the
-same: `mlp_compiled_logits_equal`).
+same: `mlp_compiled_logits_equal`). With `--rows 4,8`: a greedy 16-token verify of that many
+draft rows (engine/branches.py) through engine/verify.py itself (caches copied into the rows,
+one batched pass, the best row kept), `verify16_rowsR`, beside the one-row `verify16_rows1`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 import mlx.core as mx
 
 from dflash.engine import rollback
+from dflash.engine.verify import verify
 from dflash.engine.loading import load_pair
 
 
@@ -66,6 +69,15 @@ def probe(args: argparse.Namespace) -> dict:
             out, f = target.forward(block, caches, eager=eager)
             rollback.rewind(caches, target.layers, 1, width, None)
             return [out, f]
+        return run
+
+    def verify_rows(rows: int):
+        drafts = mx.full((rows, 15), 13, mx.int32) + mx.arange(rows, dtype=mx.int32)[:, None]
+
+        def run(i: int):  # a new cache length per call, as forward() does
+            cyc = verify(target, caches, tok, drafts if rows > 1 else drafts[0], False)
+            rollback.rewind(caches, target.layers, 1, 16, None)
+            return [cyc.summary, cyc.features]
         return run
 
     def propose(i: int):
@@ -114,6 +126,9 @@ def probe(args: argparse.Namespace) -> dict:
                     samples.setdefault(name + kind, []).append(split_times(run, args.repeats))
             loop_ms(8)
             samples.setdefault(name + "loop_ms_per_token", []).append(loop_ms(64))
+        for rows in args.rows and [1, *args.rows]:
+            samples.setdefault(f"verify16_rows{rows}", []).append(
+                split_times(verify_rows(rows), args.repeats))
     use(plain)
     rows: dict[str, dict] = {}
     for key, vals in samples.items():
@@ -142,6 +157,8 @@ def main() -> None:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rows", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
+                    help="also time greedy verifies of these draft-row counts, e.g. 4,8,16")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     result = probe(args)

@@ -14,13 +14,14 @@ def test_probe_times_every_forward_and_compiled_mlps_keep_the_logits(tiny_dirs, 
     out = tmp_path / "probe.json"
     d = tiny_dirs["llama"]
     subprocess.run([sys.executable, str(REPO / "scripts/host_probe.py"), "--model", str(d),
-                    "--draft", str(d / "draft"), "--repeats", "2", "--rounds", "2", "--out", str(out)],
+                    "--draft", str(d / "draft"), "--repeats", "2", "--rounds", "2", "--rows", "4", "--out", str(out)],
                    check=True, capture_output=True, timeout=300)
     res = json.loads(out.read_text())
     assert res["mlp_compiled_logits_equal"] is True
     rows = res["rows"]
     for kind in ("step", "verify16", "verify16_eager", "draft15", "mlp_compiled_step",
-                 "mlp_compiled_verify16", "mlp_compiled_verify16_eager"):
+                 "mlp_compiled_verify16", "mlp_compiled_verify16_eager", "verify16_rows1",
+                 "verify16_rows4"):
         r = rows[kind]
         assert 0 < r["build_ms"] <= r["total_ms"] and len(r["rounds_total_ms"]) == 2
     for kind in ("loop_ms_per_token", "mlp_compiled_loop_ms_per_token"):

@@ -1,0 +1,165 @@
+"""Branches (engine/branches.py): several greedy draft rows in one verify, the best row kept."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from dflash.engine import branches, rollback
+from dflash.engine.drafters import OracleDrafter
+from helpers import cut_at_eos, greedy_reference, run_dflash
+from conftest import ARCHS
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
+N_NEW = 64
+
+
+def _logits(rows: list[list[float]]) -> mx.array:
+    return mx.log(mx.array(rows, dtype=mx.float32))
+
+
+def test_rows_substitute_where_the_draft_itself_expects_them_to_pay():
+    # 3 positions over 4 tokens; top-1 ids 0, 1, 2 with probs .5, .9, .6
+    logits = _logits([[.5, .3, .15, .05], [.05, .9, .03, .02], [.1, .2, .6, .1]])
+    got = branches.rows_from_logits(logits, 4).tolist()
+    # scores: pos 0 rank 1 -> .3; pos 0 rank 2 -> .15; pos 2 rank 1 -> .5*.9*.2 = .09;
+    # pos 1 rank 1 -> .5*.05 = .025
+    assert got[0] == [0, 1, 2]
+    assert sorted(got[1:]) == sorted([[1, 1, 2], [2, 1, 2], [0, 1, 1]])
+
+
+def test_rows_are_distinct_and_differ_from_the_top_row_once():
+    logits = mx.random.normal((15, 50), key=mx.random.key(3))
+    got = branches.rows_from_logits(logits, 8).tolist()
+    top = mx.argmax(logits, axis=-1).tolist()
+    assert len(got) == 8 and got[0] == top
+    assert len({tuple(r) for r in got}) == 8
+    for r in got[1:]:
+        assert sum(a != b for a, b in zip(r, top)) == 1
+
+
+def test_a_tiny_block_gives_fewer_rows():
+    got = branches.rows_from_logits(_logits([[.7, .3]]), 8).tolist()
+    assert got == [[0], [1]]
+
+
+@pytest.mark.parametrize("value,rows", [("", 1), ("1", 1), ("8", 8), (" 4 ", 4)])
+def test_setting(monkeypatch, value, rows):
+    monkeypatch.setenv(branches.ENV, value)
+    assert branches.configure() == rows
+
+
+@pytest.mark.parametrize("value", ["0", "9", "auto", "two", "-1"])
+def test_bad_setting_names_the_variable(monkeypatch, value):
+    monkeypatch.setenv(branches.ENV, value)
+    with pytest.raises(ValueError, match=branches.ENV):
+        branches.configure()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("window", ["full", "auto"])
+def test_branches_equal_greedy(pairs, arch, window):
+    """The model draft with 4 rows: mlx-lm's greedy ids; plain KV caches verify the rows, other
+    cache kinds one row."""
+    pair = pairs(arch)
+    ids = pair.tokenizer.encode(PROMPT)
+    ref = cut_at_eos(greedy_reference(pair.target.model, ids, N_NEW), set(pair.tokenizer.eos_token_ids))
+    final, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, N_NEW,
+                          verify_window=window, branches=4)
+    assert final.token_ids == ref, f"{arch}: branches diverged from mlx-lm greedy"
+    kv = rollback.rows_supported(pair.target.make_cache())
+    assert final.stats.branch_rows == (4 if kv else 1)
+
+
+class _SecondChoiceOracle(OracleDrafter):
+    """Row 0 wrong at block position `miss`, row 1 the reference, the rest wrong at position 1:
+    only the kept row's tokens, features and cache can give whole blocks."""
+
+    def __init__(self, *args, miss: int = 2, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.miss = miss
+
+    def propose(self, anchor, anchor_pos, count=None, sampling=None, rows=1):
+        right = super().propose(anchor, anchor_pos, count)
+        out = []
+        for r in range(max(rows, 1)):
+            row = right.tolist()
+            j = None if r == 1 else (self.miss if r == 0 else 1) - 1
+            if j is not None and j < len(row):
+                row[j] = (row[j] + 1 + r) % self.vocab_size
+            out.append(row)
+        return mx.array(out[0] if rows == 1 else out, dtype=mx.int32)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_kept_row_is_the_one_accepted_furthest(pairs, arch):
+    pair = pairs(arch)
+    ids = pair.tokenizer.encode(PROMPT)
+    ref = greedy_reference(pair.target.model, ids, N_NEW + 16)
+    drafter = _SecondChoiceOracle(ref, len(ids), 16, vocab_size=pair.target.vocab_size)
+    saved, pair.tokenizer.eos_token_ids = pair.tokenizer.eos_token_ids, set()
+    try:
+        one, _ = run_dflash(pair.target, drafter, pair.tokenizer, ids, N_NEW, verify_window="full",
+                            copy_draft=False, branches=1)
+        four, _ = run_dflash(pair.target, drafter, pair.tokenizer, ids, N_NEW, verify_window="full",
+                             copy_draft=False, branches=4)
+    finally:
+        pair.tokenizer.eos_token_ids = saved
+    assert one.token_ids == four.token_ids == ref[:N_NEW]
+    assert one.stats.tokens_per_cycle <= 2.01  # row 0 alone: 1 draft accepted a cycle
+    assert four.stats.branch_wins >= four.stats.cycles - 1  # row 1 kept (all but maybe the last)
+    assert four.stats.tokens_per_cycle >= 15
+
+
+def test_sampling_verifies_one_row(pairs):
+    pair = pairs("qwen3")
+    ids = pair.tokenizer.encode(PROMPT)
+    final, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, 24, temperature=0.8,
+                          seed=1, branches=4)
+    assert final.stats.branch_rows == 1 and final.stats.branch_wins == 0
+
+
+def test_bad_branches_argument(pairs):
+    pair = pairs("qwen3")
+    with pytest.raises(ValueError, match="branches"):
+        run_dflash(pair.target, pair.drafter, pair.tokenizer, pair.tokenizer.encode(PROMPT), 8,
+                   branches=0)
+
+
+def test_run_ahead_queues_rows_too(tiny_dirs, monkeypatch):
+    """A pipelined target (GPU; here DFLASH_PIPELINE=1) queues the next cycle's rows behind the
+    verify on the bet that its kept row is accepted whole; the ids stay mlx-lm's."""
+    from dflash.engine import target as target_mod
+    from dflash.engine.loading import load_pair
+
+    monkeypatch.setenv(target_mod.PIPELINE_ENV, "1")
+    pair = load_pair(tiny_dirs["qwen3"], tiny_dirs["qwen3"] / "draft")
+    ids = pair.tokenizer.encode(PROMPT)
+    ref = greedy_reference(pair.target.model, ids, 2 * N_NEW + 16)
+    drafter = _SecondChoiceOracle(ref, len(ids), 16, vocab_size=pair.target.vocab_size)
+    pair.tokenizer.eos_token_ids = set()
+    final, _ = run_dflash(pair.target, drafter, pair.tokenizer, ids, 2 * N_NEW, copy_draft=False,
+                          branches=4)
+    assert final.token_ids == ref[: 2 * N_NEW]
+    assert final.stats.run_ahead > 0 and final.stats.branch_wins > 0
+
+
+def test_replay_script_reports_tokens_per_cycle_per_row_count(tiny_dirs, tmp_path):
+    """scripts/branch_replay.py on a tiny pair: one prompt, every row count reported."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    held = tmp_path / "held.jsonl"
+    held.write_text(json.dumps({"kind": "chat", "prompt": "Tell me about foxes."}) + "\n")
+    out = tmp_path / "replay.json"
+    d = tiny_dirs["llama"]
+    script = Path(__file__).resolve().parents[1] / "scripts/branch_replay.py"
+    subprocess.run([sys.executable, str(script), "--target", str(d), "--draft", str(d / "draft"),
+                    "--heldout-file", str(held), "--max-tokens", "12", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    res = json.loads(out.read_text())
+    assert res["prompts"] == 1 and set(res["tokens_per_cycle"]) == {"1", "2", "4", "8"}
+    assert all(v >= 1.0 for v in res["tokens_per_cycle"].values())
+    assert all(c >= 1 for c in res["cycles"].values())
