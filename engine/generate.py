@@ -22,13 +22,13 @@ import mlx.core as mx
 
 from . import rollback, sparse
 from . import sampling as sampling_mod
+from .branches import MIN_WIDTH
 from .drafters import Drafter
 from .lookup import CopyProposer
 from .prefix import PrefixSession
 from .sampling import DraftSampling, KeyChain, SamplingParams
 from .target import TargetModel
 from .verify import Verified, verify
-from .branches import MIN_WIDTH
 from .window import VerifyWindow, WindowMemory
 
 
