@@ -367,10 +367,16 @@ def format_stats(s: dict[str, Any]) -> str:
         f"acceptance {g('acceptance', 0):.1%}, "
         f"{g('tokens_per_cycle', 0):.2f} tok/cycle over {g('cycles', 0)} cycles "
         f"(verify window {g('mean_verify_window', 0):.1f}, {g('plain_steps', 0)} plain, "
-        f"{g('copy_cycles', 0)} copy with {g('copy_accepted', 0)} accepted) | "
+        f"{g('copy_cycles', 0)} copy with {g('copy_accepted', 0)} accepted{_rows(s)}) | "
         f"TTFT {g('ttft_s', 0) * 1000:.0f} ms | "
         f"peak {g('peak_memory_gb', 0):.2f} GB | {g('finish_reason', '')}"
     )
+
+
+def _rows(s: dict[str, Any]) -> str:
+    """The branches part of the stats line (engine/branches.py), when more than one row ran."""
+    rows = s.get("branch_rows", 1)
+    return f", {rows} draft rows, {s.get('branch_wins', 0)} cycles kept a swapped row" if rows > 1 else ""
 
 
 def _speedup(x: float) -> str:

@@ -163,3 +163,15 @@ def test_replay_script_reports_tokens_per_cycle_per_row_count(tiny_dirs, tmp_pat
     assert res["prompts"] == 1 and set(res["tokens_per_cycle"]) == {"1", "2", "4", "8"}
     assert all(v >= 1.0 for v in res["tokens_per_cycle"].values())
     assert all(c >= 1 for c in res["cycles"].values())
+
+
+def test_stats_line_names_the_rows(pairs):
+    from dflash.engine.generate import format_stats
+
+    pair = pairs("qwen3")
+    final, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, pair.tokenizer.encode(PROMPT),
+                          16, verify_window="full", branches=4)
+    line = format_stats(final.stats.to_dict())
+    assert f"4 draft rows, {final.stats.branch_wins} cycles kept a swapped row" in line
+    one, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, pair.tokenizer.encode(PROMPT), 8)
+    assert "draft rows" not in format_stats(one.stats.to_dict())
