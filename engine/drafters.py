@@ -120,11 +120,8 @@ class DFlashDrafter:
             h = self.draft(self.target.embed(block), anchor_pos, self.cache)
         hidden = h[:, 1 : 1 + (self.block_size - 1 if count is None else count)]
         logits = (self.target.lm_head if self.head is None else self.head)(hidden)[0]
-        if sampling is None and rows > 1:
-            ids = branches.rows_from_logits(logits, rows)
-            return ids if self.head is None else self.head.token_ids(ids).astype(mx.int32)
         if sampling is None:
-            best = mx.argmax(logits, axis=-1)
+            best = branches.rows_from_logits(logits, rows) if rows > 1 else mx.argmax(logits, axis=-1)
             return (best if self.head is None else self.head.token_ids(best)).astype(mx.int32)
         if self.head is not None:
             logits = self.head.full(logits)  # q is zero outside the subset

@@ -7,10 +7,10 @@ For each held-out prompt (engine/training/heldout_prompts.jsonl, chat template) 
 target's greedy answer (mlx-lm), runs the target once over prompt + answer for the draft's
 context features, then scores the draft at every answer position as an anchor and keeps, per
 row count R, `branches.rows_from_logits(logits, R)`. A row's accepted length is its longest
-prefix equal to the greedy answer (exactly what a greedy verify accepts), so the cycles of a
-full-window generation are replayed without running a verify: anchor p, accept the best row's
-a tokens, next anchor p + a + 1. Tokens per cycle per R, over all prompts. The draft sees the
-full vocabulary (as `DFLASH_DRAFT_VOCAB=full`), in the target's dtype.
+prefix equal to the greedy answer (`verify.greedy_accept`, what a greedy verify accepts), so
+the cycles of a full-window generation are replayed without running a verify: anchor p, accept
+the best row's a tokens, next anchor p + a + 1. Tokens per cycle per R, over all prompts. The
+draft sees the full vocabulary (as `DFLASH_DRAFT_VOCAB=full`), in the target's dtype.
 """
 
 from __future__ import annotations
@@ -28,15 +28,9 @@ from dflash.engine.draft import load_draft
 from dflash.engine.loading import draft_dtype
 from dflash.engine.target import TargetModel
 from dflash.engine.training import data as td
+from dflash.engine.verify import greedy_accept
 
 ROWS = (1, 2, 4, 8)
-
-
-def accepted(row: list[int], answer: list[int]) -> int:
-    n = 0
-    while n < len(row) and n < len(answer) and row[n] == answer[n]:
-        n += 1
-    return n
 
 
 def replay(args: argparse.Namespace) -> dict:
@@ -65,10 +59,10 @@ def replay(args: argparse.Namespace) -> dict:
         for p in range(len(ids), len(seq) - 1):
             block = mx.concatenate([mx.array([seq[p]], mx.int32), masks])[None]
             logits = target.lm_head(draft(target.embed(block), p, cache)[:, 1:])[0]
-            rest = seq[p + 1:]
+            rest = mx.array(seq[p + 1 : p + b], mx.int32)  # what a greedy verify would accept
             for r in ROWS:
-                rows = branches.rows_from_logits(logits, r).tolist()
-                best[r].append(max(accepted(row, rest) for row in rows))
+                rows = branches.rows_from_logits(logits, r)[:, : rest.size]
+                best[r].append(greedy_accept(rows, rest).max().item())
             draft.add_context(feats[:, p : p + 1], cache)
         for r in ROWS:
             p = 0

@@ -75,7 +75,7 @@ def probe(args: argparse.Namespace) -> dict:
         drafts = mx.full((rows, 15), 13, mx.int32) + mx.arange(rows, dtype=mx.int32)[:, None]
 
         def run(i: int):  # a new cache length per call, as forward() does
-            cyc = verify(target, caches, tok, drafts if rows > 1 else drafts[0], False)
+            cyc = verify(target, caches, tok, drafts, False)
             rollback.rewind(caches, target.layers, 1, 16, None)
             return [cyc.summary, cyc.features]
         return run
