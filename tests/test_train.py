@@ -220,8 +220,12 @@ def test_a_grown_draft_proposes_what_it_did_and_trains_on(looping: Path, loop_da
     ctx = old.project(mx.random.normal((1, 12, k * d), key=mx.random.key(3)))
     block = mx.random.normal((1, old.config.block_size, d), key=mx.random.key(4))
     assert mx.array_equal(new(block, 12, None, ctx), old(block, 12, None, ctx)).item()
-    with pytest.raises(ValueError, match="at least one"):
-        grow(old, 0)
+    wide = grow(old, 0, 2 * old.config.intermediate_size)  # --grow-mlp: the same proposals too
+    assert wide.config.intermediate_size == 2 * old.config.intermediate_size
+    assert mx.allclose(wide(block, 12, None, ctx), old(block, 12, None, ctx), atol=1e-5).item()
+    for bad in ((0, None), (0, old.config.intermediate_size - 1), (-1, None)):
+        with pytest.raises(ValueError, match="at least one"):
+            grow(old, *bad)
 
     b = tmp_path / "b"
     sb = train_draft(_opts(looping, b, loop_data, resume=str(a / "checkpoint"), max_steps=10,
@@ -232,8 +236,13 @@ def test_a_grown_draft_proposes_what_it_did_and_trains_on(looping: Path, loop_da
     assert load_draft(b).config.num_hidden_layers == old.config.num_hidden_layers + 2
     trainer = json.loads((b / "checkpoint" / "trainer.json").read_text())
     assert trainer["schedule"]["rewarmup_from"] == 20
-    with pytest.raises(ValueError, match="--grow-layers needs"):
+    with pytest.raises(ValueError, match="--grow-layers / --grow-mlp need"):
         train_draft(_opts(looping, tmp_path / "c", loop_data, grow_layers=1), log=lambda s: None)
+    w = tmp_path / "w"
+    sw = train_draft(_opts(looping, w, loop_data, resume=str(a / "checkpoint"), max_steps=4,
+                           grow_mlp=2 * old.config.intermediate_size, rewarmup_steps=2), log=lambda s: None)
+    assert sw["steps"] == 24 and _log(w)[0]["loss"] < 1.5 * la[-1]["loss"] + 0.05
+    assert load_draft(w).config.intermediate_size == 2 * old.config.intermediate_size
 
 
 def test_checkpoint_parts_are_small_and_load_back(tmp_path: Path):

@@ -133,6 +133,7 @@ class TrainOptions:
     resume: str | None = None  # a checkpoint folder
     rewarmup_steps: int = 200
     grow_layers: int = 0  # with --resume / --init-draft: append this many identity layers (grow.py)
+    grow_mlp: int = 0  # with --resume / --init-draft: widen every MLP to this intermediate size (grow.py)
     restart_lr: float | None = None  # on --resume: a warm restart, a new cosine from this lr
     # the step
     gamma: float | None = None
@@ -250,14 +251,14 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
         mask_id = opts.mask_token_id if opts.mask_token_id is not None else pick_mask_token(tokenizer)
         draft = DFlashDraft(draft_config_for(probe, opts.layers, opts.block_size, mask_id,
                                              opts.layer_ids, opts.num_capture))
-    if opts.grow_layers:
+    if opts.grow_layers or opts.grow_mlp:
         if not (opts.resume or opts.init_draft):
-            raise ValueError("--grow-layers needs a trained draft to grow (--resume or --init-draft)")
-        n_old = draft.config.num_hidden_layers
-        draft = grow(draft, opts.grow_layers)
+            raise ValueError("--grow-layers / --grow-mlp need a trained draft to grow (--resume or --init-draft)")
+        n_old, w_old = draft.config.num_hidden_layers, draft.config.intermediate_size
+        draft = grow(draft, opts.grow_layers, opts.grow_mlp or None)
         saved_opt = None  # the moments and masters of the old shape: re-warm-up instead
-        say(f"[train] grown: {n_old} -> {draft.config.num_hidden_layers} layers (the new ones start "
-            f"as the identity: same proposals as before)")
+        say(f"[train] grown: {n_old} -> {draft.config.num_hidden_layers} layers, MLP {w_old} -> "
+            f"{draft.config.intermediate_size} (the new parts start as the identity: same proposals as before)")
     cfg = draft.config
     target = TargetModel(model, cfg.target_layer_ids)
     check_fit(draft, target)  # the drafter's own check, before any data or training work
@@ -559,6 +560,7 @@ def _cli():
     @click.option("--max-steps", default=None, type=click.IntRange(1), help="Stop THIS session after this many steps.")
     @click.option("--time-budget-s", default=None, type=float, help="Stop THIS session after this much training time (compile steps not counted).")
     @click.option("--compile-steps", default=2, show_default=True, help="First steps timed apart (trace + kernel JIT), before the budget clock.")
+    @click.option("--grow-mlp", default=0, show_default=True, type=click.IntRange(0), help="With --resume or --init-draft: widen every MLP to this intermediate size (the new down_proj columns zero: same proposals; engine/training/grow.py); the optimiser re-warms up.")
     @click.option("--grow-layers", default=0, show_default=True, type=click.IntRange(0), help="With --resume or --init-draft: append this many layers that start as the identity (output projections zero; engine/training/grow.py); the optimiser re-warms up.")
     @click.option("--rewarmup-steps", default=200, show_default=True, help="On --resume without optimiser moments: lr ramps from 0 over this many steps.")
     @click.option("--restart-lr", default=None, type=click.FloatRange(min=0, min_open=True), help="With --resume and --total-steps: a warm restart, a new cosine from this lr at the resume step to the new total.")
