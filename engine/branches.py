@@ -34,7 +34,10 @@ rows cost about R times the product work: off.
 Only verifies of MIN_WIDTH tokens or more take several rows: their attention is ours (fewq.py on
 CUDA, cpuattn.py on the CPU), which reads a batched cache by its strides. MLX 0.32's CUDA
 attention for 2 or 3 queries failed on the H200 with batched rows over the KV cache's buffer
-(an illegal memory access).
+(an illegal memory access). So on a CUDA GPU rows run only where the kernel takes the verify's
+attention (`attention_takes_rows`: the kernel chosen, bf16/fp16, a head shape it supports);
+elsewhere there (fp32, `DFLASH_VERIFY_ATTN=mlx`, other head shapes) the target loads with one
+row and a warning. On the CPU, MLX's attention and cpuattn.py both read batched rows right.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ from __future__ import annotations
 import os
 
 import mlx.core as mx
+
+from . import fewq, verifyattn
 
 ENV = "DFLASH_BRANCHES"
 MAX_ROWS = 8
@@ -58,6 +63,20 @@ def configure() -> int:
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"{ENV}={value!r}: expected a row count from 1 to {MAX_ROWS}")
     return rows
+
+
+def attention_takes_rows(verify_attention: str, dtype: mx.Dtype, heads: int | None,
+                         kv_heads: int | None, head_dim: int | None) -> bool:
+    """Whether a several-row verify's attention is one known to read a batched cache right here:
+    anything on the CPU; on a CUDA GPU only fewq's kernel (`verify_attention` "kernel") for this
+    dtype and head shape (unknown shapes: no)."""
+    if not verifyattn.cuda():
+        return True
+    if verify_attention != "kernel" or None in (heads, kv_heads, head_dim):
+        return False
+    q = mx.zeros((1, heads, MIN_WIDTH, head_dim), dtype)
+    k = mx.zeros((1, kv_heads, MIN_WIDTH, head_dim), dtype)
+    return fewq.supported(q, k, k)
 
 
 def rows_from_logits(logits: mx.array, rows: int) -> mx.array:

@@ -22,6 +22,7 @@ DFLASH_RUNAHEAD=0 turns that part off (for A/B measurements).
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -119,6 +120,12 @@ class TargetModel:
         self.pipelined = pipelined_default()  # DFLASH_PIPELINE, read once at load
         self.run_ahead = self.pipelined and os.environ.get(RUNAHEAD_ENV, "1").strip() != "0"
         self.branches = branches.configure()  # DFLASH_BRANCHES: draft rows per greedy verify
+        if self.branches > 1 and not branches.attention_takes_rows(
+                self.verify_attention, _compute_dtype(emb), *_head_shape(self.args)):
+            warnings.warn(f"{branches.ENV}={self.branches}: this target's verify attention is not "
+                          "ours here (a CUDA GPU needs the few-query kernel: bf16/fp16, head dim 64 "
+                          "or 128); one row per verify", RuntimeWarning, stacklevel=2)
+            self.branches = 1
         # few-row products padded to the row count the BLAS does fastest (CPU + MKL; rowpad.py)
         plans = rowpad.plan(model)
         rowpad.pad_rows(model, plans)
@@ -196,3 +203,18 @@ def _embedding_shape(emb: nn.Module) -> tuple[int, int]:
     if "scales" in emb:  # QuantizedEmbedding: weight is packed
         return emb.num_embeddings, emb.dims
     return tuple(emb.weight.shape)  # type: ignore[return-value]
+
+
+def _compute_dtype(emb: nn.Module) -> mx.Dtype:
+    """The dtype the target computes in (a quantized embedding's scales, else its weight)."""
+    return emb.scales.dtype if "scales" in emb else emb.weight.dtype
+
+
+def _head_shape(args: Any) -> tuple[int | None, int | None, int | None]:
+    """(query heads, KV heads, head dim) from a model's args; None where it does not say."""
+    heads = getattr(args, "num_attention_heads", None)
+    kv = getattr(args, "num_key_value_heads", None) or heads
+    dim = getattr(args, "head_dim", None)
+    if dim is None and heads and getattr(args, "hidden_size", None):
+        dim = args.hidden_size // heads
+    return heads, kv, dim

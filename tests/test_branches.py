@@ -175,3 +175,37 @@ def test_stats_line_names_the_rows(pairs):
     assert f"4 draft rows, {final.stats.branch_wins} cycles kept a swapped row" in line
     one, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, pair.tokenizer.encode(PROMPT), 8)
     assert "draft rows" not in format_stats(one.stats.to_dict())
+
+
+def test_rows_on_a_cuda_gpu_only_where_the_kernel_takes_the_attention(monkeypatch):
+    """MLX 0.32's own CUDA attention failed over batched rows (session 15), so on a GPU rows need
+    fewq's kernel: bf16/fp16, its head shapes, the kernel chosen; the CPU takes rows either way."""
+    from dflash.engine import verifyattn
+
+    smol = (9, 3, 64)  # SmolLM2-135M: 9 query heads, 3 KV heads, head dim 64
+    assert branches.attention_takes_rows("fastexp", mx.float32, *smol)  # this CPU
+    assert branches.attention_takes_rows("mlx", mx.bfloat16, None, None, None)
+    monkeypatch.setattr(verifyattn, "cuda", lambda: True)
+    assert branches.attention_takes_rows("kernel", mx.bfloat16, *smol)
+    assert branches.attention_takes_rows("kernel", mx.float16, 32, 8, 128)
+    assert not branches.attention_takes_rows("kernel", mx.float32, *smol)  # fp32: MLX's attention
+    assert not branches.attention_takes_rows("mlx", mx.bfloat16, *smol)  # DFLASH_VERIFY_ATTN=mlx
+    assert not branches.attention_takes_rows("kernel", mx.bfloat16, 9, 3, 96)  # a head dim it lacks
+    assert not branches.attention_takes_rows("kernel", mx.bfloat16, None, 3, 64)
+
+
+def test_a_target_whose_rows_attention_is_not_ours_loads_with_one_row(tiny_dirs, monkeypatch):
+    from dflash.engine.loading import load_pair
+
+    monkeypatch.setenv(branches.ENV, "4")
+    assert load_pair(tiny_dirs["llama"], tiny_dirs["llama"] / "draft").target.branches == 4
+    seen = []
+    monkeypatch.setattr(branches, "attention_takes_rows", lambda *a: seen.append(a) or False)
+    with pytest.warns(RuntimeWarning, match="DFLASH_BRANCHES=4: .* one row per verify"):
+        pair = load_pair(tiny_dirs["llama"], tiny_dirs["llama"] / "draft")
+    assert pair.target.branches == 1
+    attn, dtype, heads, kv, dim = seen[0]
+    assert attn == pair.target.verify_attention and dtype == mx.float32
+    args = pair.target.args
+    assert (heads, kv, dim) == (args.num_attention_heads, args.num_key_value_heads,
+                                pair.target.layers[0].self_attn.k_proj.weight.shape[0] // kv)
