@@ -189,6 +189,7 @@ def test_chat_mode_one_row_per_question(tiny: Path, tmp_path: Path) -> None:
     (saved,) = tmp_path.glob("*.json")
     assert benchplot.main([str(saved)]) == 0
     png = saved.with_suffix(".png")
+    assert png.is_file(), "no plot: the bench extra (matplotlib) is missing; `make` installs it"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     two_temps = [dict(r, temperature=t) for t in (0.0, 0.7) for r in data["summary"]]
     assert benchplot._questions(two_temps) == 2 and benchplot._questions(data["summary"]) == 2
