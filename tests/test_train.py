@@ -531,3 +531,23 @@ def test_train_responses_picks_greedy_or_sampled_answers(looping: Path, tmp_path
         responses_of_kind(greedy, "sampled")
     with pytest.raises(ValueError, match="unknown response kind"):
         responses_of_kind(samples, "hot")
+
+
+def test_draft_cost_script_times_grown_variants(tiny_dirs, tmp_path: Path):
+    """scripts/draft_cost.py: the draft as is, wider and deeper, each timed (no timing asserted)."""
+    import subprocess
+    import sys
+
+    d = tiny_dirs["llama"]
+    cfg = json.loads((d / "draft" / "config.json").read_text())
+    wide = 2 * cfg["intermediate_size"]
+    out = tmp_path / "cost.json"
+    script = Path(__file__).resolve().parents[1] / "scripts/draft_cost.py"
+    res = subprocess.run([sys.executable, str(script), "--model", str(d), "--draft", str(d / "draft"),
+                          "--mlp", str(wide), "--layers", "1", "--context", "12", "--rounds", "1",
+                          "--repeats", "1", "--out", str(out)], check=True, capture_output=True,
+                         text=True, timeout=300)
+    names = list(json.loads(out.read_text())["median_ms"])
+    assert names == [f"as is (MLP {cfg['intermediate_size']}, {cfg['num_hidden_layers']} layers)",
+                     f"MLP {wide}", "+1 layers"]
+    assert res.stdout.count("draft pass") == 3
