@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             result = json.loads(f.read_text())
             print(format_table(result))
             print(f"== plot: {plot(result, f.with_suffix('.png'))}")
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             print(f"{f}: not a dflash benchmark result ({type(e).__name__}: {e})")
             return 1
     return 0
