@@ -829,7 +829,7 @@ def _temperatures(_ctx: Any, _param: Any, value: str) -> list[float]:
 @click.option("--out", default="benchmark/results", show_default=True, help="Output folder.")
 @click.option("--prompt-file", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Text to build prompts from (repeated/trimmed); default: built-in prose. "
-                   "With --chat: one question per line.")
+                   "With --chat: one question per line, or JSONL with \"prompt\" (e.g. engine/training/heldout_prompts.jsonl).")
 @click.option("--chat", is_flag=True,
               help="Chat questions through the model's chat template, one row each (built-in "
                    "ones or --prompt-file lines) instead of raw text cut to --contexts.")

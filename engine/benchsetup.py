@@ -362,12 +362,13 @@ def prompt_ids(setup: Setup, length: int, text: str | None, seed: int) -> list[i
 
 
 def chat_prompts(setup: Setup, text: str | None) -> list[list[int]]:
-    """One prompt per question (a line of `text`, or the built-in ones) through the chat template."""
-    from .prompting import build_prompt
+    """One prompt per question (a line of `text`: plain, or JSONL with "prompt" as the held-out
+    sets are; or the built-in ones) through the chat template."""
+    from .prompting import build_prompt, prompt_lines
 
     if setup.random_prompts:
         raise ValueError("--chat needs a real model with a tokenizer (not --random-target)")
-    questions = [q.strip() for q in text.splitlines() if q.strip()] if text else CHAT_QUESTIONS
+    questions = [q for _, q in prompt_lines(text)] if text else CHAT_QUESTIONS
     if not questions:
         raise ValueError("the prompt file has no questions")
     return [build_prompt(setup.tokenizer, q) for q in questions]

@@ -2,7 +2,27 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Sequence
+
+
+def prompt_lines(text: str) -> list[tuple[str, str]]:
+    """(kind, prompt) per non-blank line of a prompt file: JSONL ({"prompt": ..., "kind": ...},
+    the held-out sets' format) or one plain prompt per line (kind "file")."""
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("{"):
+            try:
+                d = json.loads(line)
+                out.append((str(d.get("kind", "file")), str(d["prompt"])))
+            except (ValueError, KeyError, AttributeError) as e:
+                raise ValueError(f"prompt file line {n}: a JSON line needs a \"prompt\" ({e})") from e
+        else:
+            out.append(("file", line))
+    return out
 
 
 def build_prompt(

@@ -198,6 +198,21 @@ def test_chat_mode_one_row_per_question(tiny: Path, tmp_path: Path) -> None:
         run_benchmark(BenchConfig(random_target="tiny", chat=True, out=str(tmp_path)), log=lambda s: None)
 
 
+def test_chat_prompt_file_takes_the_held_out_sets_jsonl() -> None:
+    """--chat --prompt-file: plain lines or the held-out sets' JSONL (engine/prompting.py, the one
+    parser the trainer's prompt files use too); a bad JSON line names its line."""
+    from dflash.engine.prompting import prompt_lines
+    from dflash.engine.training.data import HELDOUT_FILE, load_heldout
+
+    held = HELDOUT_FILE.read_text()
+    assert [q for _, q in prompt_lines(held)] == [p for _, p in load_heldout()] and len(load_heldout()) == 48
+    assert prompt_lines('Plain one?\n\n{"prompt": "Json one?", "kind": "chat"}\n') == [
+        ("file", "Plain one?"), ("chat", "Json one?")]
+    for bad in ('{"kind": "chat"}', '{"prompt": 1', "{not json}"):
+        with pytest.raises(ValueError, match="prompt file line 2"):
+            prompt_lines("fine\n" + bad)
+
+
 # --- first-time lengths, the method, sampling ---------------------------------------------------
 def test_every_timed_run_decodes_at_first_time_shapes(tiny: Path, tmp_path: Path) -> None:
     cfg = BenchConfig(model=str(tiny / "target"), draft=str(tiny / "draft"), contexts=CONTEXTS,

@@ -188,17 +188,9 @@ def builtin_prompts(n: int = 600, seed: int = 0) -> list[tuple[str, str]]:
 
 def load_prompt_file(path: str | Path) -> list[tuple[str, str]]:
     """Prompts from a file: JSONL ({"prompt": ..., "kind": ...}) or one prompt per line."""
-    out = []
-    for line in Path(path).read_text().splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        if line.startswith("{"):
-            d = json.loads(line)
-            out.append((str(d.get("kind", "file")), str(d["prompt"])))
-        else:
-            out.append(("file", line))
-    return out
+    from ..prompting import prompt_lines
+
+    return prompt_lines(Path(path).read_text())
 
 
 # --- responses ---------------------------------------------------------------------------------
