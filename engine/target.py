@@ -121,7 +121,7 @@ class TargetModel:
         self.run_ahead = self.pipelined and os.environ.get(RUNAHEAD_ENV, "1").strip() != "0"
         self.branches = branches.configure()  # DFLASH_BRANCHES: draft rows per greedy verify
         if self.branches > 1 and not branches.attention_takes_rows(
-                self.verify_attention, _compute_dtype(emb), *_head_shape(self.args)):
+                self.verify_attention, _weights_dtype(model), *_head_shape(self.args)):
             warnings.warn(f"{branches.ENV}={self.branches}: this target's verify attention is not "
                           "ours here (a CUDA GPU needs the few-query kernel: bf16/fp16, head dim 64 "
                           "or 128); one row per verify", RuntimeWarning, stacklevel=2)
@@ -205,9 +205,11 @@ def _embedding_shape(emb: nn.Module) -> tuple[int, int]:
     return tuple(emb.weight.shape)  # type: ignore[return-value]
 
 
-def _compute_dtype(emb: nn.Module) -> mx.Dtype:
-    """The dtype the target computes in (a quantized embedding's scales, else its weight)."""
-    return emb.scales.dtype if "scales" in emb else emb.weight.dtype
+def _weights_dtype(model: nn.Module) -> mx.Dtype:
+    """The floating dtype holding most of the target's weights (loading.main_dtype)."""
+    from .loading import main_dtype  # loading imports this module
+
+    return getattr(mx, main_dtype(model) or "float32")
 
 
 def _head_shape(args: Any) -> tuple[int | None, int | None, int | None]:

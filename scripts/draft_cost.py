@@ -18,7 +18,6 @@ import time
 
 import mlx.core as mx
 
-from dflash.engine import draftvocab
 from dflash.engine.drafters import DFlashDrafter
 from dflash.engine.loading import load_pair
 from dflash.engine.training.grow import grow
@@ -37,8 +36,7 @@ def main() -> None:
     a = ap.parse_args()
     pair = load_pair(a.model, a.draft)
     target, base = pair.target, pair.drafter
-    vocab = draftvocab.choose(pair.draft_path, target.vocab_size)
-    dtype = base.draft.fc.weight.dtype
+    vocab = None if base.head is None else base.head.ids.tolist()  # the pair's own subset
     variants = {f"as is (MLP {base.draft.config.intermediate_size}, "
                 f"{base.draft.config.num_hidden_layers} layers)": base}
     for width in [int(w) for w in a.mlp.split(",") if w.strip()]:
@@ -47,8 +45,7 @@ def main() -> None:
         variants[f"+{a.layers} layers"] = DFlashDrafter(grow(base.draft, a.layers), target, vocab)
     ids = mx.random.randint(0, target.vocab_size, (1, a.context), key=mx.random.key(0))
     _, feats = target.capture(lambda: target.inner(ids))
-    for d in variants.values():
-        d.draft.set_dtype(dtype)
+    for d in variants.values():  # grown drafts keep the draft's dtype (grow.py)
         d.reset()
         d.add_context(feats)
         mx.eval([c.state for c in d.cache])
