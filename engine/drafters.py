@@ -10,7 +10,8 @@ drawn from, or None for a drafter that only gives ids (verify then takes q one-h
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+import os
+from typing import Any, Protocol, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -53,11 +54,9 @@ class Drafter(Protocol):
     ) -> mx.array | tuple[mx.array, mx.array | None]:
         """Draft ids for positions anchor_pos+1 .. anchor_pos+count (default B-1), lazy.
 
-        The block always runs whole (every position sees the full block); only `count` rows
-        go through the LM head, the draft's biggest matmul, when the verify window is shorter.
-        (Measured and dropped, session 9: a block cut to the window, anchor + count masks, as
-        the draft was never trained to see it, took the first draft's acceptance from 62% to
-        55% on 16 held-out prompts at window 2, and tokens per cycle 2.13 -> 1.97 at window 4.)
+        Only `count` rows go through the LM head, the draft's biggest matmul, when the verify
+        window is shorter. The block runs whole (every position sees the full block) unless the
+        drafter cuts short blocks (`short_max`, see DFlashDrafter).
         With `sampling`: (ids, q), the ids drawn from q (count, V), or q None (ids only).
         A drafter without the `sampling` parameter is used as an ids-only one.
         `rows` > 1 (greedy, a drafter with the parameter): ids [rows', count], several
@@ -66,11 +65,37 @@ class Drafter(Protocol):
         ...
 
 
+def short_block_max(config: Any) -> int:
+    """The longest window whose draft runs a block cut to the window's rows (0: never).
+
+    A draft records it in its config (dflash_config.short_block_max: `train-draft
+    --short-block-frac` writes it); it is used on a CPU only, where a pass costs its rows'
+    arithmetic. On a GPU a small draft's pass costs its kernel launches, as many for 2 rows as
+    for 16, so a cut block would save nothing. DFLASH_SHORT_BLOCK=N sets it anywhere (0: off).
+    """
+    env = os.environ.get("DFLASH_SHORT_BLOCK", "").strip()
+    if env:
+        if not env.isdigit():
+            raise ValueError(f"DFLASH_SHORT_BLOCK must be a whole number (0: off), got {env!r}")
+        n = int(env)
+    elif mx.default_device() == mx.gpu:
+        n = 0
+    else:
+        n = int((config.extra.get("dflash_config") or {}).get("short_block_max", 0))
+    return n if n >= 2 else 0
+
+
 class DFlashDrafter:
     """The block-diffusion draft: one non-causal pass over [anchor, MASK x (B-1)].
 
     `vocab` (draftvocab.choose): the token ids it may propose, scored by a head restricted to
-    them; None: the target's whole head."""
+    them; None: the target's whole head.
+
+    `short_max` (short_block_max): a window of k <= short_max tokens drafts from [anchor,
+    MASK x (k-1)], a pass about half as dear on a CPU at k = 2. Lossless either way (the verify
+    decides); what it changes is acceptance, which drops for a draft never trained on cut blocks
+    (session 9: 62% -> 55% at window 2), hence `train-draft --short-block-frac`.
+    """
 
     def __init__(self, draft: DFlashDraft, target: TargetModel, vocab: Sequence[int] | None = None):
         check_fit(draft, target)
@@ -80,6 +105,7 @@ class DFlashDrafter:
         self.block_size = draft.config.block_size
         self.layer_ids = list(draft.config.target_layer_ids)
         self._masks = mx.full((self.block_size - 1,), draft.config.mask_token_id, mx.int32)
+        self.short_max = min(short_block_max(draft.config), self.block_size - 1)
         self.cache: list[KVCache] = draft.make_cache()
 
     def reset(self, positioned: bool = False) -> None:
@@ -115,7 +141,8 @@ class DFlashDrafter:
             raise RuntimeError(
                 f"draft context holds {self.context_len} rows, anchor is at {anchor_pos}"
             )
-        block = mx.concatenate([anchor.reshape(1).astype(mx.int32), self._masks])[None]
+        masks = self._masks if count is None or count + 1 > self.short_max else self._masks[:count]
+        block = mx.concatenate([anchor.reshape(1).astype(mx.int32), masks])[None]
         with verifyattn.active():  # the block's 16 queries over the context: fewq's kernel on CUDA
             h = self.draft(self.target.embed(block), anchor_pos, self.cache)
         hidden = h[:, 1 : 1 + (self.block_size - 1 if count is None else count)]

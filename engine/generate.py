@@ -168,7 +168,7 @@ def stream_dflash_generate(
     rollback.check_supported(caches, target.layers)
     record_tape = rollback.needs_tape(caches)
     window = VerifyWindow(drafter.block_size, verify_window, rollback.plain_step_undoable(caches),
-                          memory=window_memory)
+                          memory=window_memory, short_max=getattr(drafter, "short_max", 0))
     drafter.reset(positioned=positions is not None)
 
     session = None

@@ -21,6 +21,11 @@ A probe verifies `probe_window` tokens (one draft): the draft pass still runs wh
 head and the verify are at their cheapest, so a probe costs about one plain step more.
 The output never depends on any of this: only the speed does.
 
+Cut blocks (a draft trained for them, `short_max` >= 2; engine/drafters.py): a window k up to
+`short_max` drafts with a block of k rows instead of B, a draft pass about half as dear on a CPU
+(2 rows: 9 ms against 20 ms for SmolLM2's draft, 200-row context). Its overhead is measured apart
+(d_short, prior d * SHORT_D_PRIOR), since one d would mix the two passes' costs and mislead both.
+
 A long-lived caller (the daemon's worker) hands the same `WindowMemory` to every generation of a
 pair: what one generation measured (d, o, the acceptance of drafts and copies) becomes the next
 one's prior, so a short answer does not pay the first cycles' exploration each time (a draft
@@ -76,6 +81,7 @@ from .lookup import CopyAcceptance
 CPU_VERIFY_COST = {1: 1.0, 2: 1.0, 3: 1.47, 4: 1.72, 5: 1.95, 6: 2.0, 8: 2.11, 12: 2.55, 16: 2.96}
 DEFAULT_COSTS = {"cpu": (CPU_VERIFY_COST, 0.2), "gpu": (0.035, 0.3)}
 COPY_OVERHEAD = 0.05  # o's prior: a copy cycle has no draft pass, only a host-side lookup
+SHORT_D_PRIOR = 0.5  # d_short's prior, a share of d: a cut block's draft pass is ~half the whole's
 
 
 def rate(p: float, k: int, overhead: float, verify_cost: float) -> float:
@@ -105,6 +111,7 @@ class WindowMemory:
     """What earlier generations of one pair measured (None: not yet), for the next one's priors."""
 
     d: float | None = None  # a draft cycle's overhead, in plain steps
+    d_short: float | None = None  # the same for a block cut to its window (short_max)
     o: float | None = None  # a copy cycle's overhead
     p: float | None = None  # per-token acceptance of the model's draft
     copy_p: float | None = None  # per-token acceptance of copies
@@ -120,8 +127,9 @@ class VerifyWindow:
     def __init__(self, block_size: int, policy: str | int = "auto", allow_plain: bool = True,
                  decay: float = 0.9, probe_every: int = 8, max_probe_gap: int = 128,
                  remeasure_every: int = 64, probe_window: int = 2,
-                 memory: WindowMemory | None = None):
+                 memory: WindowMemory | None = None, short_max: int = 0):
         self.block_size = block_size
+        self.short_max = short_max  # windows up to this draft with a block cut to k rows
         self.probe_window = probe_window
         self.allow_plain = allow_plain
         if policy == "auto":
@@ -143,6 +151,8 @@ class VerifyWindow:
         self.remeasure_every = remeasure_every
         self.successes, self.failures = 2.0, 0.5  # prior: p = 0.8, worth ~2.5 cycles
         prior, self.d = _costs()
+        self.d_short = self.d * SHORT_D_PRIOR
+        self._d_short_measured = False
         self.v = verify_costs(prior, block_size)  # v[k]: a k-token verify, in decode steps
         self.step_s: float | None = None  # measured seconds of a plain step (recent median)
         self._steps: deque[float] = deque(maxlen=9)
@@ -168,6 +178,8 @@ class VerifyWindow:
         """Priors from earlier generations of this pair (see WindowMemory)."""
         if m.d is not None:
             self.d, self._d_measured = m.d, True  # measured: later cycles average with it
+        if m.d_short is not None and self.short_max:
+            self.d_short, self._d_short_measured = m.d_short, True
         if m.o is not None:
             self.o = m.o
         if m.p is not None:
@@ -183,6 +195,8 @@ class VerifyWindow:
             return
         if self._d_measured:
             m.d = self.d
+        if self._d_short_measured:
+            m.d_short = self.d_short
         if self._draft_cycles:
             m.p = self.p
         if self.copy.observed:
@@ -196,8 +210,12 @@ class VerifyWindow:
 
     def best(self) -> tuple[int, float]:
         """The window k >= 2 with the highest expected tokens per decode-step time, and that rate."""
-        return max(((k, rate(self.p, k, self.d, self.v[k])) for k in range(2, self.block_size + 1)),
-                   key=lambda t: t[1])
+        return max(((k, rate(self.p, k, self.overhead(k), self.v[k]))
+                    for k in range(2, self.block_size + 1)), key=lambda t: t[1])
+
+    def overhead(self, window: int) -> float:
+        """A draft cycle's cost beyond its verify, in plain steps, for this window's block."""
+        return self.d_short if window <= self.short_max else self.d
 
     def likely_full(self, window: int) -> bool:
         """Whether a cycle of this window is likelier than not to have every draft accepted
@@ -214,7 +232,7 @@ class VerifyWindow:
         if self.fixed is not None:
             if self.fixed == 1:
                 return 1, None
-            return self.fixed, rate(self.p, self.fixed, self.d, self.v[self.fixed])
+            return self.fixed, rate(self.p, self.fixed, self.overhead(self.fixed), self.v[self.fixed])
         k, best_rate = self._best
         if not self.allow_plain:
             return k, best_rate
@@ -277,8 +295,12 @@ class VerifyWindow:
         if (self.fixed is None and seconds is not None and self.step_s
                 and self._draft_cycles > 1):
             d = self._overhead(seconds, window)
-            self.d = 0.8 * self.d + 0.2 * d if self._d_measured else d
-            self._d_measured = True
+            if window <= self.short_max:
+                self.d_short = 0.8 * self.d_short + 0.2 * d if self._d_short_measured else d
+                self._d_short_measured = True
+            else:
+                self.d = 0.8 * self.d + 0.2 * d if self._d_measured else d
+                self._d_measured = True
         self._best = self.best()
         if accepted < window - 1 and self._best[1] < 1.0:  # drafting does not pay: probe less often
             self._probe_gap = min(self._probe_gap * 2, self.max_probe_gap)

@@ -89,3 +89,18 @@ def test_plain_steps_refused_for_sliding_window_targets(pairs):
         run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, 8, verify_window=1)
     final, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, N_NEW, verify_window="auto")
     assert final.stats.plain_steps == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_cut_blocks_never_change_output(pairs, arch):
+    """A draft that cuts its block to short windows (short_max): same ids at every window."""
+    pair = pairs(arch)
+    ids = pair.tokenizer.encode(PROMPTS[1])
+    ref = cut_at_eos(greedy_reference(pair.target.model, ids, N_NEW), set(pair.tokenizer.eos_token_ids))
+    saved, pair.drafter.short_max = pair.drafter.short_max, 4
+    try:
+        for window in (2, 3, 4, 6, "auto"):
+            final, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, N_NEW, verify_window=window)
+            assert final.token_ids == ref, f"{arch}: window {window} with cut blocks diverged"
+    finally:
+        pair.drafter.short_max = saved

@@ -450,3 +450,17 @@ def test_engine_wrong_samplers_are_rejected(pairs, monkeypatch):
         counts = engine_counts(pair, sharp, lambda: pair.drafter, ids, params, n)
     r = assert_rejected(counts, engine_exact(sharp, ids, params, n), n)
     print("engine, temperature 1.1:", r)
+
+
+def test_engine_exact_with_cut_blocks(pairs):
+    """Window 3 drafting from a block cut to 3 rows (train-draft --short-block-frac drafts): q
+    comes from the cut block, and the draws stay the target's."""
+    params = SamplingParams(temperature=1.0)
+    pair, sharp, ids = _setup(pairs, "qwen3", params)
+    saved, pair.drafter.short_max = pair.drafter.short_max, 3
+    try:
+        n = 500
+        counts = engine_counts(pair, sharp, lambda: pair.drafter, ids, params, n)
+    finally:
+        pair.drafter.short_max = saved
+    print(assert_same_distribution(counts, engine_exact(sharp, ids, params, n), n))

@@ -66,16 +66,21 @@ def _log(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
 
 
-def test_training_forward_equals_inference_path(tiny: Path):
-    """All blocks in one masked pass == DFlashDraft.__call__ block by block with a context cache."""
+def _two_layer_draft_on_text(tiny: Path):
+    """A random 2-layer draft (block 8) on the tiny target, a sentence's ids and its features."""
     from mlx_lm import load
 
     model, tok = load(str(tiny))
     cfg = draft_config_for(TargetModel(model, [0]), 2, 8, 3, num_capture=3)
     target = TargetModel(model, cfg.target_layer_ids)
-    draft = DFlashDraft(cfg)
     ids = mx.array(tok.encode("The quick brown fox jumps over the lazy dog. Paris is in France."))[None]
     _, feats = target.forward(ids, target.make_cache())
+    return cfg, target, DFlashDraft(cfg), ids, feats
+
+
+def test_training_forward_equals_inference_path(tiny: Path):
+    """All blocks in one masked pass == DFlashDraft.__call__ block by block with a context cache."""
+    cfg, target, draft, ids, feats = _two_layer_draft_on_text(tiny)
     pos = [4, 9, 15]
     h = block_hidden(draft, target, feats, ids[:, pos], mx.array([pos], mx.int32))
     for i, a in enumerate(pos):
@@ -84,6 +89,66 @@ def test_training_forward_equals_inference_path(tiny: Path):
         block = mx.concatenate([ids[0, a : a + 1], mx.full((7,), cfg.mask_token_id, mx.int32)])[None]
         ref = draft(target.embed(block), a, cache)
         assert mx.allclose(ref[0], h[0, i], atol=1e-5).item()
+
+
+def test_cut_blocks_train_as_inference_runs_them(tiny: Path, monkeypatch):
+    """block_lens: a block cut to n rows in the one masked pass == DFlashDraft.__call__ over
+    [anchor, MASK x (n-1)], and == what the drafter proposes for a window of n when it cuts."""
+    from dflash.engine.drafters import DFlashDrafter
+
+    cfg, target, draft, ids, feats = _two_layer_draft_on_text(tiny)
+    pos, lens = [4, 9, 15], [2, 8, 3]
+    h = block_hidden(draft, target, feats, ids[:, pos], mx.array([pos], mx.int32), mx.array([lens], mx.int32))
+    whole = block_hidden(draft, target, feats, ids[:, pos], mx.array([pos], mx.int32))
+    drafter = DFlashDrafter(draft, target)
+    assert drafter.short_max == 0  # an untrained config: whole blocks
+    drafter.short_max = 3
+    for i, (a, n) in enumerate(zip(pos, lens)):
+        cache = draft.make_cache()
+        draft.add_context(feats[:, :a], cache)
+        block = mx.concatenate([ids[0, a : a + 1], mx.full((n - 1,), cfg.mask_token_id, mx.int32)])[None]
+        ref = draft(target.embed(block), a, cache)
+        assert mx.allclose(ref[0], h[0, i, :n], atol=1e-5).item()
+        if n < 8:
+            assert not mx.allclose(h[0, i, :n], whole[0, i, :n], atol=1e-3).item()  # the cut mattered
+        drafter.reset()
+        drafter.add_context(feats[:, :a])
+        got = drafter.propose(ids[0, a], a, n - 1)
+        want = mx.argmax(target.lm_head(ref[:, 1:]), axis=-1)[0] if n <= 3 else None
+        if want is not None:
+            assert got.tolist() == want.tolist()
+    monkeypatch.setenv("DFLASH_SHORT_BLOCK", "4")
+    assert DFlashDrafter(draft, target).short_max == 4
+    monkeypatch.setenv("DFLASH_SHORT_BLOCK", "two")
+    with pytest.raises(ValueError, match="DFLASH_SHORT_BLOCK"):
+        DFlashDrafter(draft, target)
+
+
+def _long_answers_store(seed: int):
+    """8 sequences: a 6-token prompt, a 200-token answer (anchors have room to spread)."""
+    from dflash.engine.training.data import Sample, TokenStore
+
+    rng = np.random.default_rng(seed)
+    samples = [Sample("k", f"p{i}", list(rng.integers(5, 50, 6)), list(rng.integers(5, 50, 200)))
+               for i in range(8)]
+    return TokenStore.from_samples(samples, 256)
+
+
+def test_short_block_frac_cuts_that_share_and_keeps_the_anchors():
+    from dflash.engine.training.data import FixedBatches
+
+    store = _long_answers_store(5)
+    whole = FixedBatches(store, 4, 64, 8, 256, seed=2).numpy_batch(3)
+    cut = FixedBatches(store, 4, 64, 8, 256, seed=2, short_frac=0.25, short_max=4).numpy_batch(3)
+    assert (whole["block_lens"] == 8).all()
+    assert (cut["anchors"] == whole["anchors"]).all()  # the cut is drawn apart
+    n = cut["block_lens"]
+    short = n < 8
+    assert 0.15 < short.mean() < 0.35 and set(np.unique(n[short])) == {2, 3, 4}
+    k = np.arange(1, 8)[None, None, :]
+    assert (cut["valid"] == (whole["valid"] & (k < n[..., None]))).all()
+    with pytest.raises(ValueError, match="short_max"):
+        FixedBatches(store, 4, 64, 8, 256, short_frac=0.5, short_max=8)
 
 
 def test_train_tiny_draft_end_to_end(looping: Path, loop_data: Path, tmp_path: Path):
@@ -148,6 +213,27 @@ def test_train_tiny_draft_end_to_end(looping: Path, loop_data: Path, tmp_path: P
     assert cycles - prompts <= n < cycles  # each answer's last cycle (cut short) left out
     assert abs(sum(b["cycles"] * b["tau"] for b in by_pos) / n - trained["overall"]["tau"]) < 0.5
     assert from_ckpt["overall"]["acceptance"] > untrained["overall"]["acceptance"] + 0.3, from_ckpt
+
+
+def test_short_block_training_marks_the_draft_for_cut_blocks(looping: Path, loop_data: Path, tmp_path: Path):
+    """--short-block-frac trains (one compiled trace) and the saved config tells the drafter
+    to cut its block for windows up to --short-block-max."""
+    from mlx_lm import load
+
+    from dflash.engine.drafters import DFlashDrafter
+
+    out = tmp_path / "short"
+    summary = train_draft(_opts(looping, out, loop_data, total_steps=10, max_steps=6,
+                                short_block_frac=0.5, short_block_max=3), log=lambda s: None)
+    assert summary["steps"] == 6 and summary["compile_traces"] == 1
+    assert all(math.isfinite(r["loss"]) for r in _log(out))
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["dflash_config"]["short_block_max"] == 3
+    draft = load_draft(out)
+    target = TargetModel(load(str(looping))[0], draft.config.target_layer_ids)
+    assert DFlashDrafter(draft, target).short_max == 3
+    trainer = json.loads((out / "checkpoint" / "trainer.json").read_text())
+    assert trainer["sessions"][-1]["short_block_frac"] == 0.5
 
 
 def test_resume_continues_the_campaign(looping: Path, loop_data: Path, tmp_path: Path):
@@ -491,12 +577,9 @@ def test_kl_branch_keeps_the_cross_entropy(tiny: Path):
 
 
 def test_early_anchor_frac_puts_that_share_at_the_answers_start():
-    from dflash.engine.training.data import FixedBatches, Sample, TokenStore
+    from dflash.engine.training.data import FixedBatches
 
-    rng = np.random.default_rng(3)
-    samples = [Sample("k", f"p{i}", list(rng.integers(5, 50, 6)), list(rng.integers(5, 50, 200)))
-               for i in range(8)]
-    store = TokenStore.from_samples(samples, 256)
+    store = _long_answers_store(3)
     uniform = FixedBatches(store, 4, 40, 8, 256, seed=2).numpy_batch(0)
     early = FixedBatches(store, 4, 40, 8, 256, seed=2, early_frac=0.25, early_window=16).numpy_batch(0)
     start = 6  # the prompt's length: responses begin here

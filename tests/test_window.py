@@ -224,3 +224,27 @@ def test_generations_sharing_a_memory_explore_less_and_stay_lossless(pairs) -> N
     assert all(r.token_ids == ref for r in runs)
     drafts = [r.stats.cycles - r.stats.plain_steps for r in runs]
     assert mem.p is not None and drafts[1] < drafts[0], drafts
+
+
+def test_cut_block_windows_measure_their_own_overhead() -> None:
+    """Windows up to short_max draft from a cut block: their overhead (d_short) is measured apart
+    from whole blocks' (d), so a cheap 2-row pass is not averaged with a 16-row one; both carry
+    over through WindowMemory."""
+    from dflash.engine.window import WindowMemory
+
+    w = VerifyWindow(16, "auto", short_max=2)
+    assert w.d_short < w.d and w.overhead(2) == w.d_short and w.overhead(3) == w.d
+    w.observe(8, 3, 10 * STEP)  # the first draft cycle: not used
+    w.observe(1, 0, STEP)
+    w.observe(2, 1, (w.v[2] + 0.1) * STEP)
+    w.observe(8, 7, (w.v[8] + 0.6) * STEP)
+    assert w.d_short == pytest.approx(0.1) and w.d == pytest.approx(0.6)
+    w.remember(mem := WindowMemory())
+    assert mem.d_short == pytest.approx(0.1) and mem.d == pytest.approx(0.6)
+    again = VerifyWindow(16, "auto", memory=mem, short_max=2)
+    assert again.d_short == pytest.approx(0.1)
+    # a cheaper short pass makes window 2 pay at an acceptance where it otherwise would not
+    mem = WindowMemory(p=0.45, d=0.5)
+    assert VerifyWindow(16, "auto", memory=mem).best()[1] < 1.0
+    assert VerifyWindow(16, "auto", memory=WindowMemory(p=0.45, d=0.5, d_short=0.15), short_max=2).best() \
+        == (2, pytest.approx(1.45 / 1.15))

@@ -17,7 +17,7 @@ def test_round_trip_keeps_each_pair_and_kind(tmp_path):
     a = windowstore.pair_key("models/a", "models/a/draft", "float32", "Device(cpu, 0)")
     b = windowstore.pair_key("models/b", "models/b/draft", None, "Device(gpu, 0)")
     assert a != b and "float32" in a and "native" in b
-    greedy, sampled = WindowMemory(d=0.9, o=0.1, p=0.35, copy_p=0.5), WindowMemory(p=0.2)
+    greedy, sampled = WindowMemory(d=0.9, d_short=0.4, o=0.1, p=0.35, copy_p=0.5), WindowMemory(p=0.2)
     windowstore.save(tmp_path, a, {True: greedy, False: sampled})
     windowstore.save(tmp_path, b, {True: WindowMemory(d=0.2, p=0.7)})
     assert windowstore.load(tmp_path, a) == {True: greedy, False: sampled}

@@ -588,6 +588,9 @@ class FixedBatches:
     (seeded by (seed, step, rank)), with replacement when the response is short; with
     `early_frac` > 0 that share of them is uniform inside the response's first `early_window`
     tokens instead (where a chat answer starts, and what held-out and chat benchmarks measure).
+    With `short_frac` > 0 that share of blocks is cut short, [anchor, MASK x (n-1)] with n uniform
+    in 2..`short_max` (block_lens [S, A]; seeded apart, so the anchors do not change): the block a
+    short verify window runs at inference (drafters.py), its labels past n not valid.
 
     A batch: tokens [S, L] (padded after each sequence: the causal target's rows are unchanged),
     anchor_ids [S, A], anchors [S, A], labels / valid [S, A, B-1] (data tokens at anchor+1 ..
@@ -597,11 +600,14 @@ class FixedBatches:
 
     def __init__(self, store: TokenStore, seqs: int, anchors: int, block_size: int, length: int,
                  seed: int = 0, rank: int = 0, world: int = 1, early_frac: float = 0.0,
-                 early_window: int = 128):
+                 early_window: int = 128, short_frac: float = 0.0, short_max: int = 4):
         self.store, self.S, self.A, self.B, self.L = store, seqs, anchors, block_size, length
         self.seed, self.rank, self.world = seed, rank, world
         self.n_early = int(round(early_frac * anchors))  # anchors per sequence near the answer's start
         self.early_window = early_window
+        if short_frac and not 2 <= short_max < block_size:
+            raise ValueError(f"short blocks need 2 <= short_max < block size {block_size}, got {short_max}")
+        self.short_frac, self.short_max = short_frac, short_max
         self._perm: dict[int, np.ndarray] = {}
 
     def _perm_of(self, epoch: int) -> np.ndarray:
@@ -639,12 +645,17 @@ class FixedBatches:
             from_misses = misses.place(idx, anchors, rng)
         k = np.arange(1, B)[None, None, :]
         lab_pos = anchors[:, :, None] + k
-        valid = lab_pos < lens[:, None, None]
+        block_lens = np.full((S, A), B, np.int64)
+        if self.short_frac:
+            srng = np.random.default_rng([self.seed, step, self.rank, 13])
+            cut = srng.random((S, A)) < self.short_frac
+            block_lens[cut] = srng.integers(2, self.short_max + 1, int(cut.sum()))
+        valid = (lab_pos < lens[:, None, None]) & (k < block_lens[:, :, None])
         return {
             "gather": gather, "anchor_gather": offs[:, None] + anchors, "anchors": anchors,
             "label_gather": np.where(valid, offs[:, None, None] + lab_pos, pad_row), "valid": valid,
             "rows": np.minimum(lab_pos - 1, L - 1), "indices": idx, "lengths": lens,
-            "from_misses": from_misses,
+            "from_misses": from_misses, "block_lens": block_lens,
         }
 
     def batch(self, step: int, misses: "MissMemory | None" = None) -> dict[str, mx.array]:
@@ -657,6 +668,7 @@ class FixedBatches:
             "labels": mx.take(t, mx.array(b["label_gather"]), axis=0),
             "valid": mx.array(b["valid"]),
             "rows": mx.array(b["rows"].astype(np.int32)),
+            "block_lens": mx.array(b["block_lens"].astype(np.int32)),
             "np": b,
         }
 
@@ -688,7 +700,8 @@ class MissMemory:
 
     def record(self, b: dict[str, np.ndarray], accepted: np.ndarray, block_size: int) -> None:
         nxt = b["anchors"] + accepted.astype(np.int64) + 1
-        ok = (accepted < block_size - 1) & (nxt <= b["lengths"][:, None] - 2)
+        lens = b.get("block_lens", block_size)  # a short block missed when it stopped before its end
+        ok = (accepted < lens - 1) & (nxt <= b["lengths"][:, None] - 2)
         for s, i in enumerate(b["indices"]):
             p = nxt[s][ok[s]]
             if len(p):

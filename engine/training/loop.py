@@ -141,6 +141,8 @@ class TrainOptions:
     miss_anchor_frac: float = 0.0
     early_anchor_frac: float = 0.0
     early_anchor_window: int = 128
+    short_block_frac: float = 0.0  # share of blocks cut short, as short verify windows run them
+    short_block_max: int = 4  # their lengths: 2..this (anchor + 1..this-1 masks)
     seqs_per_batch: int = 16  # per rank
     anchors_per_seq: int = 64
     max_len: int = 640
@@ -260,6 +262,9 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
         say(f"[train] grown: {n_old} -> {draft.config.num_hidden_layers} layers, MLP {w_old} -> "
             f"{draft.config.intermediate_size} (the new parts start as the identity: same proposals as before)")
     cfg = draft.config
+    if opts.short_block_frac > 0:  # inference may cut blocks this short (drafters.short_block_max)
+        dc = cfg.extra.setdefault("dflash_config", {})
+        dc["short_block_max"] = max(int(dc.get("short_block_max", 0)), opts.short_block_max)
     target = TargetModel(model, cfg.target_layer_ids)
     check_fit(draft, target)  # the drafter's own check, before any data or training work
     if opts.init_from_target and not (opts.resume or opts.init_draft):
@@ -369,7 +374,8 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
 
     batches = td.FixedBatches(store, opts.seqs_per_batch, opts.anchors_per_seq, cfg.block_size,
                               seq_len, opts.seed, dist.rank, dist.size,
-                              opts.early_anchor_frac, opts.early_anchor_window)
+                              opts.early_anchor_frac, opts.early_anchor_window,
+                              opts.short_block_frac, opts.short_block_max)
     need_rows = kl_w > 0
     misses = td.MissMemory(opts.miss_anchor_frac) if opts.miss_anchor_frac > 0 else None
     pending: list[tuple[dict, mx.array]] = []  # (batch, accepted per block) for the miss memory
@@ -380,7 +386,7 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
         b = batches.batch(u - 1, misses)
         feats, rows_h = target_pass(target, b["tokens"], b["rows"] if need_rows else None)
         optimizer.learning_rate = sched(u)
-        args = [feats, b["anchor_ids"], b["anchors"], b["labels"], b["valid"]]
+        args = [feats, b["anchor_ids"], b["anchors"], b["labels"], b["valid"], b["block_lens"]]
         if need_rows:
             args.append(rows_h)
         metrics, accepted = step_fn(*args)
@@ -400,7 +406,8 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
     session = {"start_step": step, "world_size": dist.size, "device": str(mx.default_device()),
                "seqs_per_batch": opts.seqs_per_batch, "anchors_per_seq": opts.anchors_per_seq,
                "kl_weight": kl_w, "miss_anchor_frac": opts.miss_anchor_frac,
-               "early_anchor_frac": opts.early_anchor_frac, "early_anchor_window": opts.early_anchor_window, "compute_dtype": str(cdt).split(".")[-1]}
+               "early_anchor_frac": opts.early_anchor_frac, "early_anchor_window": opts.early_anchor_window,
+               "short_block_frac": opts.short_block_frac, "short_block_max": opts.short_block_max, "compute_dtype": str(cdt).split(".")[-1]}
     blocks_per_step = opts.seqs_per_batch * opts.anchors_per_seq * dist.size
     history: list[dict[str, Any]] = []
     log_file = (out / "train_log.jsonl").open("a") if dist.main else None
@@ -574,6 +581,8 @@ def _cli():
     @click.option("--miss-anchor-frac", default=0.0, show_default=True, type=click.FloatRange(0, 1), help="Share of anchors placed where the draft's next block would start after a miss (data.MissMemory).")
     @click.option("--early-anchor-frac", default=0.0, show_default=True, type=click.FloatRange(0, 1), help="Share of anchors placed inside the first --early-anchor-window response tokens (where answers start; the rest stay uniform).")
     @click.option("--early-anchor-window", default=128, show_default=True, type=click.IntRange(1), help="Response tokens counted as an answer's start for --early-anchor-frac.")
+    @click.option("--short-block-frac", default=0.0, show_default=True, type=click.FloatRange(0, 1), help="Share of blocks trained cut short, [anchor, MASK x (n-1)] with n in 2..--short-block-max: the block a short verify window runs, so its draft pass is cheaper (the draft's config records it; engine/drafters.py).")
+    @click.option("--short-block-max", default=4, show_default=True, type=click.IntRange(2), help="The longest cut block for --short-block-frac.")
     @click.option("--seqs-per-batch", default=16, show_default=True, help="Sequences per step and rank.")
     @click.option("--anchors-per-seq", default=64, show_default=True, help="Blocks per sequence and step.")
     @click.option("--max-len", default=640, show_default=True, help="Sequences cut here; every batch is padded to min(this, longest rounded up to 32).")

@@ -51,7 +51,7 @@ def target_pass(
 
 def block_hidden(
     draft: DFlashDraft, target: TargetModel, feats: mx.array, anchor_ids: mx.array,
-    anchors: mx.array,
+    anchors: mx.array, block_lens: mx.array | None = None,
 ) -> mx.array:
     """Draft hidden states [S, A, B, D] for A blocks per sequence, all in one pass.
 
@@ -59,6 +59,10 @@ def block_hidden(
     is [anchor_ids[s,a], MASK...] at positions anchors[s,a] + 0..B-1. Uses the draft's own
     modules, so it computes exactly what DFlashDraft.__call__ computes at inference. Runs in the
     dtype of the draft's weights (the trainer hands it bf16 copies of fp32 masters on a GPU).
+
+    block_lens [S, A] (None: all B): block a is [anchor, MASK x (len-1)], a block cut short as
+    inference runs it for a short verify window (--short-block-frac): its rows see only its first
+    len rows, so rows 0..len-1 are what a len-row block computes (the rest are never read).
     """
     cfg = draft.config
     S, A = anchors.shape
@@ -75,6 +79,8 @@ def block_hidden(
     ctx_ok = mx.broadcast_to(ctx_ok[:, :, None, :], (S, A, B, L)).reshape(S, A * B, L)
     blk = mx.arange(A * B) // B
     blk_ok = mx.broadcast_to((blk[:, None] == blk[None, :])[None], (S, A * B, A * B))
+    if block_lens is not None:  # a key row past its block's length does not exist
+        blk_ok = blk_ok & ((mx.arange(A * B) % B)[None, :] < block_lens[:, blk])[:, None, :]
     mask = mx.concatenate([ctx_ok, blk_ok], axis=-1)[:, None]
     offs = anchors.reshape(S * A)
 
@@ -108,15 +114,17 @@ def _head(target: TargetModel, h: mx.array) -> mx.array:
 def block_loss(
     draft: DFlashDraft, target: TargetModel, weights_k: mx.array, feats: mx.array,
     anchor_ids: mx.array, anchors: mx.array, labels: mx.array, valid: mx.array,
-    target_hidden: mx.array | None = None, kl_weight: float = 0.0,
+    block_lens: mx.array | None = None, target_hidden: mx.array | None = None,
+    kl_weight: float = 0.0,
 ) -> tuple[mx.array, ...]:
     """(loss, top-1 accuracy at block position 1, mean accepted length per block, CE, KL,
     accepted drafts per block [S, A]).
 
     target_hidden [S, A, B-1, D]: the target's final hidden states at rows anchor+k-1 (see
     target_pass); needed only when kl_weight > 0. KL is 0 when it is not computed.
+    block_lens: see block_hidden; `valid` must already be False past each block's length.
     """
-    h = block_hidden(draft, target, feats, anchor_ids, anchors)[:, :, 1:]
+    h = block_hidden(draft, target, feats, anchor_ids, anchors, block_lens)[:, :, 1:]
     logits = _head(target, h)
     w = valid.astype(mx.float32) * weights_k
     denom = mx.maximum(w.sum(), 1.0)
