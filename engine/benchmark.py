@@ -58,7 +58,7 @@ from .benchsetup import (
     make_drafter,
     prompt_ids,
 )
-from .drafters import DFlashDrafter, Drafter
+from .drafters import DFlashDrafter, Drafter, short_block_max
 from .generate import Finished, stream_dflash_generate
 from .sampling import SamplingParams
 from .target import TargetModel
@@ -608,6 +608,9 @@ def method(cfg: BenchConfig, setup: Setup, runs: list[dict], first_time_used: bo
                                 "the BLAS does fastest, per weight shape (plan: rows -> padded "
                                 "rows; engine/rowpad.py); mlx-lm's baseline runs the model unpadded"},
         "draft_vocab": (len(setup.draft_vocab) if setup.draft_vocab else None),  # engine/draftvocab.py: None = all
+        # engine/drafters.py: windows up to this many tokens draft from a cut block (0: never)
+        "short_block_max": (short_block_max(setup.draft_model.config)
+                            if setup.draft_model is not None else None),
         "temperatures": list(cfg.temperatures),
         "top_p": cfg.top_p,
         "top_k": cfg.top_k,

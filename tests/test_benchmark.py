@@ -222,6 +222,7 @@ def test_every_timed_run_decodes_at_first_time_shapes(tiny: Path, tmp_path: Path
     m = data["method"]
     assert m["first_time_lengths"] is True and m["first_time_verified"] is True
     assert m["revisited_runs"] == 0 and m["warmup_runs"] == 1 and m["repeats"] == 2
+    assert m["short_block_max"] == 0  # the tiny draft was not trained on cut blocks
     assert m["mlx_cuda_use_cudnn_sdpa"]["value"] is not None or sys.platform == "darwin"
     prompts = [(r["engine"], r["prompt_tokens"]) for r in data["runs"]]
     assert len(set(prompts)) == len(prompts)  # every run its own prompt length
