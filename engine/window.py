@@ -21,7 +21,7 @@ A probe verifies `probe_window` tokens (one draft): the draft pass still runs wh
 head and the verify are at their cheapest, so a probe costs about one plain step more.
 The output never depends on any of this: only the speed does.
 
-Cut blocks (a draft trained for them, `short_max` >= 2; engine/drafters.py): a window k up to
+Cut blocks (a draft whose config allows them, `short_max` >= 2; engine/drafters.py): a window k up to
 `short_max` drafts with a block of k rows instead of B, a draft pass about half as dear on a CPU
 (2 rows: 9 ms against 20 ms for SmolLM2's draft, 200-row context). Its overhead is measured apart
 (d_short, prior d * SHORT_D_PRIOR), since one d would mix the two passes' costs and mislead both.
@@ -178,6 +178,7 @@ class VerifyWindow:
         """Priors from earlier generations of this pair (see WindowMemory)."""
         if m.d is not None:
             self.d, self._d_measured = m.d, True  # measured: later cycles average with it
+            self.d_short = m.d * SHORT_D_PRIOR
         if m.d_short is not None and self.short_max:
             self.d_short, self._d_short_measured = m.d_short, True
         if m.o is not None:

@@ -243,6 +243,8 @@ def test_cut_block_windows_measure_their_own_overhead() -> None:
     assert mem.d_short == pytest.approx(0.1) and mem.d == pytest.approx(0.6)
     again = VerifyWindow(16, "auto", memory=mem, short_max=2)
     assert again.d_short == pytest.approx(0.1)
+    older = VerifyWindow(16, "auto", memory=WindowMemory(d=0.6), short_max=2)  # no d_short kept yet
+    assert older.d_short == pytest.approx(0.3)  # the prior follows the remembered d
     # a cheaper short pass makes window 2 pay at an acceptance where it otherwise would not
     mem = WindowMemory(p=0.45, d=0.5)
     assert VerifyWindow(16, "auto", memory=mem).best()[1] < 1.0
