@@ -488,13 +488,15 @@ def _job_row(job: Job, jobs: JobQueue) -> dict[str, Any]:
 
 def _pair_notes(pair: Any) -> str:
     """The loaded pair's speed settings for the status line: few-row padding (engine/rowpad.py),
-    draft rows per verify (engine/branches.py) and the draft's proposal vocabulary
-    (engine/draftvocab.py)."""
+    draft rows per verify (engine/branches.py), cut draft blocks (engine/drafters.py) and the
+    draft's proposal vocabulary (engine/draftvocab.py)."""
     if pair is None:
         return ""
     notes = "; few-row products padded" if pair.target.row_padding else ""
     if pair.target.branches > 1:
         notes += f"; {pair.target.branches} draft rows a greedy verify"
+    if getattr(pair.drafter, "short_max", 0):
+        notes += f"; draft blocks cut to the window up to {pair.drafter.short_max} tokens"
     n = pair.drafter.proposal_vocab
     return notes + (f"; draft proposes {draftvocab.describe(n)}" if n else "")
 

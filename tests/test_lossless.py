@@ -99,6 +99,9 @@ def test_cut_blocks_never_change_output(pairs, arch):
     ref = cut_at_eos(greedy_reference(pair.target.model, ids, N_NEW), set(pair.tokenizer.eos_token_ids))
     saved, pair.drafter.short_max = pair.drafter.short_max, 4
     try:
+        from dflash.daemon.worker import _pair_notes
+
+        assert "; draft blocks cut to the window up to 4 tokens" in _pair_notes(pair)  # dflashd status
         for window in (2, 3, 4, 6, "auto"):
             final, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, N_NEW, verify_window=window)
             assert final.token_ids == ref, f"{arch}: window {window} with cut blocks diverged"
