@@ -495,7 +495,7 @@ def _pair_notes(pair: Any) -> str:
     notes = "; few-row products padded" if pair.target.row_padding else ""
     if pair.target.branches > 1:
         notes += f"; {pair.target.branches} draft rows a greedy verify"
-    if getattr(pair.drafter, "short_max", 0):
+    if pair.drafter.short_max:
         notes += f"; draft blocks cut to the window up to {pair.drafter.short_max} tokens"
     n = pair.drafter.proposal_vocab
     return notes + (f"; draft proposes {draftvocab.describe(n)}" if n else "")

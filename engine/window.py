@@ -297,16 +297,19 @@ class VerifyWindow:
                 and self._draft_cycles > 1):
             d = self._overhead(seconds, window)
             if window <= self.short_max:
-                self.d_short = 0.8 * self.d_short + 0.2 * d if self._d_short_measured else d
-                self._d_short_measured = True
+                self.d_short, self._d_short_measured = _updated(self.d_short, d, self._d_short_measured), True
             else:
-                self.d = 0.8 * self.d + 0.2 * d if self._d_measured else d
-                self._d_measured = True
+                self.d, self._d_measured = _updated(self.d, d, self._d_measured), True
         self._best = self.best()
         if accepted < window - 1 and self._best[1] < 1.0:  # drafting does not pay: probe less often
             self._probe_gap = min(self._probe_gap * 2, self.max_probe_gap)
         else:  # it pays, or every verified draft was taken: look again soon
             self._probe_gap = self.probe_every
+
+
+def _updated(old: float, new: float, measured: bool) -> float:
+    """A measured overhead: the first measurement replaces the prior, later ones average in."""
+    return 0.8 * old + 0.2 * new if measured else new
 
 
 def _costs() -> tuple[float | dict[int, float], float]:

@@ -28,10 +28,9 @@ ARMS = ("whole", "cut")
 
 def questions(heldout: int, seed: int = 0) -> list[str]:
     from dflash.engine.benchsetup import CHAT_QUESTIONS
-    from dflash.engine.prompting import prompt_lines
+    from dflash.engine.training.data import load_heldout
 
-    path = Path(__file__).resolve().parents[1] / "engine/training/heldout_prompts.jsonl"
-    held = [q for _, q in prompt_lines(path.read_text())]
+    held = [q for _, q in load_heldout()]
     random.Random(seed).shuffle(held)
     return list(CHAT_QUESTIONS) + held[:heldout]
 

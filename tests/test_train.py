@@ -381,7 +381,7 @@ def test_fixed_batches_shapes_and_shards(tiny: Path):
     for step in range(5):
         for bb in (b0, b1):
             nb = bb.numpy_batch(step)
-            mem.record(nb, np.zeros((4, 6), np.int64), 8)  # every block missed at position 1
+            mem.record(nb, np.zeros((4, 6), np.int64))  # every block missed at position 1
             starts.update({int(i): set(nb["anchors"][s] + 1) for s, i in enumerate(nb["indices"])})
     later = b0.numpy_batch(5, mem)  # epoch 1
     assert later["from_misses"] == 4 * 3

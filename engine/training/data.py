@@ -698,10 +698,10 @@ class MissMemory:
                 n += k
         return n
 
-    def record(self, b: dict[str, np.ndarray], accepted: np.ndarray, block_size: int) -> None:
+    def record(self, b: dict[str, np.ndarray], accepted: np.ndarray) -> None:
         nxt = b["anchors"] + accepted.astype(np.int64) + 1
-        lens = b.get("block_lens", block_size)  # a short block missed when it stopped before its end
-        ok = (accepted < lens - 1) & (nxt <= b["lengths"][:, None] - 2)
+        # a block missed when it stopped before its own end (a cut block's end is block_lens - 1)
+        ok = (accepted < b["block_lens"] - 1) & (nxt <= b["lengths"][:, None] - 2)
         for s, i in enumerate(b["indices"]):
             p = nxt[s][ok[s]]
             if len(p):

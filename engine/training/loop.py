@@ -397,7 +397,7 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
 
     def drain_misses() -> None:
         for nb, acc in pending:
-            misses.record(nb, np.array(acc), cfg.block_size)
+            misses.record(nb, np.array(acc))
         pending.clear()
 
     prev_time = float((trainer or {}).get("train_time_s", 0.0))
