@@ -73,8 +73,6 @@ def load_pair(
     """Load target + draft; with no draft given, resolve it from the registry of known pairs."""
     from mlx_lm import load as mlx_load
 
-    from .draft import quantize_draft
-
     draft_path = Path(draft) if draft else resolve_draft(str(model))
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -82,8 +80,26 @@ def load_pair(
     if dtype is not None:
         model_obj.set_dtype(DTYPES[dtype])
     draft_model = load_draft(draft_path, draft_dtype(model_obj, dtype))
-    if draft_quant_bits:
-        quantize_draft(draft_model, bits=draft_quant_bits)
     target = TargetModel(model_obj, draft_model.config.target_layer_ids)
-    vocab = draftvocab.choose(draft_path, target.vocab_size)
-    return Pair(target, DFlashDrafter(draft_model, target, vocab), tokenizer, str(model), str(draft_path))
+    drafter = make_drafter(target, draft_model, draft_path, draft_quant_bits)
+    return Pair(target, drafter, tokenizer, str(model), str(draft_path))
+
+
+def load_drafter(target: TargetModel, draft: str | Path, dtype: str | None = None) -> DFlashDrafter:
+    """A second draft for an already loaded target (an A/B of drafts in one process); it must
+    read the target layers the target captures."""
+    draft_model = load_draft(Path(draft), draft_dtype(target.model, dtype))
+    if list(draft_model.config.target_layer_ids) != target.layer_ids:
+        raise ValueError(f"draft {draft} reads target layers {draft_model.config.target_layer_ids}, "
+                         f"the loaded target captures {target.layer_ids}")
+    return make_drafter(target, draft_model, Path(draft))
+
+
+def make_drafter(target: TargetModel, draft_model: Any, draft_path: Path,
+                 quant_bits: int | None = None) -> DFlashDrafter:
+    """The drafter of a loaded draft: quantized if asked, proposing the vocabulary it may here."""
+    if quant_bits:
+        from .draft import quantize_draft
+
+        quantize_draft(draft_model, bits=quant_bits)
+    return DFlashDrafter(draft_model, target, draftvocab.choose(draft_path, target.vocab_size))

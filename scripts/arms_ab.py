@@ -1,0 +1,240 @@
+"""Engine settings against each other, interleaved in one process (an in-process A/B).
+
+    python scripts/arms_ab.py --model models/SmolLM2-135M-Instruct \
+        [--arm whole:cut=0 --arm cut:cut=2] [--baseline] [--heldout 7] [--rounds 3] \
+        [--max-tokens 128] [--dtype float32] [--warmup 1] [--out RESULT.json]
+
+Each chat question (the benchmark's five, then `--heldout` of the 48 held-out prompts, drawn
+with a fixed seed) is answered greedily by every arm in a shuffled order, round after round. An
+arm is NAME:KEY=VALUE,...; the keys:
+    cut=N       draft blocks cut to windows up to N tokens (the drafter's short_max; 0: whole)
+    window=W    the verify window: auto, full or a number of tokens (generate.py)
+    copy=0|1    copy drafting off / on
+    draft=DIR   another draft for the same target (loaded once per directory), e.g. a candidate
+                beside the bundled one
+Unset keys keep the loaded pair's defaults. `--baseline` adds mlx-lm's own decoding of the same
+model as an arm ("mlx-lm"), timed with the same clock (engine/benchmark.py), so every arm's
+speedup comes out of the same interleaving. `--warmup` answers the first question by every arm
+that many times untimed first (compiles, caches, a GPU's first kernels). In one process the machine's drift hits every arm
+alike, which `dflash benchmark` runs in separate processes cannot promise: a 4% effect needs this.
+
+The output cannot depend on the arm: ids must equal the first arm's (with --baseline, mlx-lm's).
+On a bf16 GPU a 16-token verify and a 1-token step may round a near-tie differently (README,
+losslessness), so give --tolerate-id-diffs there: differing answers are counted, not fatal.
+Prints each arm's paired ratio against the first arm (geometric mean over generations, with a
+95% interval), tokens per cycle and the mean verify window; --out writes every generation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+BASELINE = "mlx-lm"
+KEYS = ("cut", "window", "copy", "draft")
+ENV_NOTED = ("MLX_CUDA_USE_CUDNN_SDPA", "DFLASH_VERIFY_ATTN", "DFLASH_PIPELINE", "DFLASH_BRANCHES",
+             "DFLASH_SHORT_BLOCK", "DFLASH_DRAFT_VOCAB")
+
+
+@dataclass
+class Arm:
+    name: str
+    settings: dict = field(default_factory=dict)
+    drafter: Any = None  # None: the loaded pair's (see attach_drafters)
+
+
+def parse_arm(spec: str) -> Arm:
+    """'cut:cut=2,window=auto' -> Arm('cut', {'cut': 2, 'window': 'auto'}); a clear error otherwise."""
+    name, _, rest = spec.partition(":")
+    if not name or name == BASELINE:
+        raise ValueError(f"arm {spec!r}: give NAME:KEY=VALUE,... (a name other than {BASELINE!r})")
+    settings: dict = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in KEYS:
+            raise ValueError(f"arm {spec!r}: {item!r} is not one of {', '.join(k + '=' for k in KEYS)}")
+        if key == "window":
+            settings[key] = value if value in ("auto", "full") else _int(spec, value, 2)
+        elif key == "cut":
+            settings[key] = _int(spec, value, 0)
+        elif key == "draft":
+            if not value:
+                raise ValueError(f"arm {spec!r}: draft= needs a directory")
+            settings[key] = value
+        else:
+            settings[key] = bool(_int(spec, value, 0, 1))
+    return Arm(name, settings)
+
+
+def _int(spec: str, value: str, low: int, high: int | None = None) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = low - 1
+    if n < low or (high is not None and n > high):
+        raise ValueError(f"arm {spec!r}: {value!r} must be an integer >= {low}"
+                         + (f" and <= {high}" if high is not None else ""))
+    return n
+
+
+def attach_drafters(pair, arms: list[Arm], dtype: str | None) -> None:
+    """Load each arm's own draft (draft=DIR) once per directory, for the pair's target."""
+    from dflash.engine.loading import load_drafter
+
+    loaded: dict[str, Any] = {}
+    for arm in arms:
+        path = arm.settings.get("draft")
+        if path is not None:
+            if path not in loaded:
+                loaded[path] = load_drafter(pair.target, path, dtype)
+            arm.drafter = loaded[path]
+
+
+def questions(heldout: int, seed: int = 0) -> list[str]:
+    from dflash.engine.benchsetup import CHAT_QUESTIONS
+    from dflash.engine.training.data import load_heldout
+
+    held = [q for _, q in load_heldout()]
+    random.Random(seed).shuffle(held)
+    return list(CHAT_QUESTIONS) + held[:heldout]
+
+
+def _generate(pair, arm: Arm | None, ids: list[int], max_tokens: int) -> tuple[list[int], dict]:
+    """One greedy answer by one arm (None: mlx-lm), timed as `dflash benchmark` times it."""
+    from dflash.engine.benchmark import run_baseline, run_dflash
+
+    if arm is None:
+        return run_baseline(pair, ids, max_tokens)
+    drafter = arm.drafter or pair.drafter
+    saved = drafter.short_max
+    try:
+        drafter.short_max = arm.settings.get("cut", saved)
+        out, rec = run_dflash(pair, drafter, ids, max_tokens,
+                              window=arm.settings.get("window", "auto"),
+                              copy_draft=arm.settings.get("copy", True))
+    finally:
+        drafter.short_max = saved
+    eng = rec.get("engine_stats", {})
+    rec.update(mean_verify_window=eng.get("mean_verify_window"), plain_steps=eng.get("plain_steps"))
+    return out, rec
+
+
+def run(pair, prompts: list[list[int]], arms: list[Arm], rounds: int, max_tokens: int,
+        baseline: bool = False, tolerate_id_diffs: bool = False, warmup: int = 0,
+        on_round: Callable[[dict[str, list[dict]]], None] | None = None) -> dict[str, list[dict]]:
+    """Every prompt (token ids) by every arm each round, the order shuffled per prompt;
+    `on_round` sees the results so far after each round (a run cut short keeps its rounds)."""
+    names = ([BASELINE] if baseline else []) + [a.name for a in arms]
+    if len(set(names)) != len(names):
+        raise ValueError(f"arm names must differ: {names}")
+    by_name: dict[str, Arm | None] = {a.name: a for a in arms}
+    by_name[BASELINE] = None
+    for _ in range(warmup):
+        for name in names:
+            _generate(pair, by_name[name], prompts[0], max_tokens)
+    res: dict[str, list[dict]] = {n: [] for n in names}
+    for r in range(rounds):
+        for i, ids in enumerate(prompts):
+            order = list(names)
+            random.Random(r * 1000 + i).shuffle(order)
+            got = {}
+            for name in order:
+                got[name], rec = _generate(pair, by_name[name], ids, max_tokens)
+                res[name].append({"question": i, "round": r, "tokens": rec["generated_tokens"],
+                                  **{k: rec.get(k) for k in ("decode_tps", "acceptance",
+                                     "tokens_per_cycle", "mean_verify_window", "plain_steps")}})
+            for name in names[1:]:
+                same = got[name] == got[names[0]]
+                res[name][-1]["same_ids"] = same
+                if not same and not tolerate_id_diffs:
+                    raise AssertionError(f"question {i}: arm {name!r} changed the output")
+        if on_round:
+            on_round(res)
+    return res
+
+
+def paired(res: dict[str, list[dict]], arm: str, reference: str) -> dict[str, float]:
+    """Geometric mean of arm/reference decode tok/s over the paired generations, 95% interval."""
+    logs = [math.log(a["decode_tps"] / b["decode_tps"]) for a, b in zip(res[arm], res[reference])]
+    m = statistics.mean(logs)
+    se = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else float("nan")
+    return {"n": len(logs), "ratio": math.exp(m), "low": math.exp(m - 1.96 * se),
+            "high": math.exp(m + 1.96 * se)}
+
+
+def summary(res: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per arm: paired ratio against the first arm, mean tokens a cycle, verify window, id diffs."""
+    ref = next(iter(res))
+    out = {}
+    for name, gens in res.items():
+        row: dict = {"vs": ref, **paired(res, name, ref)}
+        for k in ("tokens_per_cycle", "mean_verify_window", "acceptance"):
+            vals = [g[k] for g in gens if g.get(k) is not None]
+            row[k] = statistics.mean(vals) if vals else None
+        row["id_diffs"] = sum(not g.get("same_ids", True) for g in gens)
+        out[name] = row
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--draft", default=None, help="default: the registry's draft for the model")
+    ap.add_argument("--arm", action="append", default=None, metavar="NAME:KEY=VALUE,...",
+                    help="an arm (repeat; default: whole:cut=0 and cut:cut=2)")
+    ap.add_argument("--baseline", action="store_true", help="mlx-lm's decoding as the first arm")
+    ap.add_argument("--heldout", type=int, default=7, help="held-out prompts after the 5 questions")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed answers of the first question per arm")
+    ap.add_argument("--tolerate-id-diffs", action="store_true",
+                    help="count answers that differ from the first arm's instead of stopping (bf16)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    try:
+        arms = [parse_arm(s) for s in (a.arm or ["whole:cut=0", "cut:cut=2"])]
+    except ValueError as e:
+        ap.error(str(e))
+    from dflash.engine.loading import load_pair
+
+    pair = load_pair(a.model, a.draft, dtype=a.dtype)
+    attach_drafters(pair, arms, a.dtype)
+    prompts = [pair.tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                                  add_generation_prompt=True)
+               for q in questions(a.heldout)]
+    from dflash.engine.benchmark import hardware_info, versions
+
+    machine = {"hardware": hardware_info(), "versions": versions(),
+               "env": {k: os.environ.get(k) for k in ENV_NOTED},
+               "measured": "in one process, every arm answering each prompt in a shuffled order "
+                           "each round: cache lengths revisited, not first-time (--warmup untimed)"}
+
+    def write(res: dict[str, list[dict]]) -> None:
+        if a.out:
+            Path(a.out).write_text(json.dumps({
+                "model": a.model, "draft": a.draft, "arms": {x.name: x.settings for x in arms},
+                "baseline": a.baseline, "rounds": a.rounds, "warmup": a.warmup, "heldout": a.heldout,
+                "max_tokens": a.max_tokens, "dtype": a.dtype, "summary": summary(res), **machine,
+                "runs": res},
+                indent=1))
+
+    res = run(pair, prompts, arms, a.rounds, a.max_tokens, a.baseline, a.tolerate_id_diffs,
+              a.warmup, on_round=write)
+    for name, row in summary(res).items():
+        print(f"{name:>10}: {row['ratio']:.3f}x of {row['vs']} decode tok/s (95% interval "
+              f"{row['low']:.3f}-{row['high']:.3f}, {row['n']} pairs)"
+              + (f", {row['tokens_per_cycle']:.2f} tokens a cycle, verify window "
+                 f"{row['mean_verify_window']:.1f}" if row["tokens_per_cycle"] is not None else "")
+              + (f", {row['id_diffs']} answers differ" if row["id_diffs"] else ""))
+
+
+if __name__ == "__main__":
+    main()

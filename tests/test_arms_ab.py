@@ -1,0 +1,89 @@
+"""scripts/arms_ab.py: engine settings interleaved in one process, same ids, paired ratios."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts/arms_ab.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("arms_ab", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclass looks its module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_arms_parse_and_bad_specs_say_what_is_wrong():
+    mod = _module()
+    assert mod.parse_arm("cut:cut=2").settings == {"cut": 2}
+    assert mod.parse_arm("w:window=full,copy=0").settings == {"window": "full", "copy": False}
+    assert mod.parse_arm("w8:window=8").settings == {"window": 8}
+    assert mod.parse_arm("plain").settings == {}
+    assert mod.parse_arm("new:draft=/x/y,cut=4").settings == {"draft": "/x/y", "cut": 4}
+    for bad, why in (("cut:cut=-1", "integer >= 0"), ("w:window=1", ">= 2"), ("x:rows=2", "not one of"),
+                     (":cut=2", "NAME:KEY"), ("mlx-lm:cut=2", "NAME:KEY"), ("c:copy=2", "<= 1"),
+                     ("c:cut", "not one of"), ("d:draft=", "needs a directory")):
+        with pytest.raises(ValueError, match=why):
+            mod.parse_arm(bad)
+
+
+def test_every_arm_answers_every_prompt_alike(pairs):
+    mod = _module()
+    pair = pairs("qwen3")
+    before = pair.drafter.short_max
+    prompts = [pair.tokenizer.encode(t) for t in ("The quick brown fox jumps", "def add(a, b):")]
+    arms = [mod.parse_arm(s) for s in ("whole:cut=0", "cut:cut=3", "w4:window=4,copy=0")]
+    res = mod.run(pair, prompts, arms, rounds=2, max_tokens=24, baseline=True, warmup=1)
+    assert pair.drafter.short_max == before  # restored
+    assert list(res) == ["mlx-lm", "whole", "cut", "w4"]
+    assert [r["question"] for r in res["cut"]] == [0, 1, 0, 1]
+    assert all(r["tokens"] > 0 and r["decode_tps"] > 0 for arm in res.values() for r in arm)
+    assert all(r["same_ids"] for name in ("whole", "cut", "w4") for r in res[name])
+    assert all(r["mean_verify_window"] <= 4 for r in res["w4"])
+    table = mod.summary(res)
+    assert table["mlx-lm"]["ratio"] == pytest.approx(1.0) and table["mlx-lm"]["tokens_per_cycle"] is None
+    for name in ("whole", "cut", "w4"):
+        p = table[name]
+        assert p["vs"] == "mlx-lm" and p["n"] == 4 and p["id_diffs"] == 0
+        assert p["low"] <= p["ratio"] <= p["high"] and math.isfinite(p["ratio"])
+        assert p["tokens_per_cycle"] >= 1
+
+
+def test_arm_names_must_differ(pairs):
+    mod = _module()
+    pair = pairs("qwen3")
+    with pytest.raises(ValueError, match="must differ"):
+        mod.run(pair, [[1, 2, 3]], [mod.parse_arm("a:cut=0"), mod.parse_arm("a:cut=2")], 1, 4)
+
+
+def test_questions_are_the_chat_five_then_a_fixed_draw_of_held_out_ones():
+    mod = _module()
+    from dflash.engine.benchsetup import CHAT_QUESTIONS
+
+    qs = mod.questions(7)
+    assert qs[:5] == CHAT_QUESTIONS and len(qs) == 12 and set(qs[5:]) <= set(mod.questions(48))
+    assert mod.questions(7) == qs
+
+
+def test_an_arm_can_bring_its_own_draft(pairs, tmp_path):
+    """draft=DIR: a second drafter for the same target, loaded once, its own short_max restored."""
+    from dflash.engine.draft import save_draft
+
+    mod = _module()
+    pair = pairs("qwen3")
+    save_draft(pair.drafter.draft, tmp_path / "other")
+    arms = [mod.parse_arm(s) for s in ("own:cut=0", f"other:draft={tmp_path / 'other'},cut=2",
+                                       f"other-whole:draft={tmp_path / 'other'},cut=0")]
+    mod.attach_drafters(pair, arms, None)
+    assert arms[0].drafter is None and arms[1].drafter is arms[2].drafter is not pair.drafter
+    before = arms[1].drafter.short_max
+    res = mod.run(pair, [pair.tokenizer.encode("The quick brown fox")], arms, rounds=1, max_tokens=16)
+    assert arms[1].drafter.short_max == before
+    assert all(r["same_ids"] for name in ("other", "other-whole") for r in res[name])
