@@ -234,6 +234,27 @@ def test_short_block_training_marks_the_draft_for_cut_blocks(looping: Path, loop
     assert DFlashDrafter(draft, target).short_max == 3
     trainer = json.loads((out / "checkpoint" / "trainer.json").read_text())
     assert trainer["sessions"][-1]["short_block_frac"] == 0.5
+    # eval-draft --window K measures acceptance at a short verify: cut blocks up to the config's 3
+    from click.testing import CliRunner
+
+    from dflash.engine.training.report import eval_draft_command
+
+    held = tmp_path / "held.jsonl"
+    held.write_text('{"kind": "chat", "prompt": "one two three"}\n{"kind": "code", "prompt": "four five"}\n')
+    reports = {}
+    for window, cut in ((3, True), (4, False), (None, False)):
+        rep = tmp_path / f"eval{window}.json"
+        args = ["--target", str(looping), "--draft", str(out), "--heldout-file", str(held),
+                "--max-tokens", "12", "--out", str(rep)] + (["--window", str(window)] if window else [])
+        r = CliRunner().invoke(eval_draft_command, args)
+        assert r.exit_code == 0, r.output
+        reports[window] = json.loads(rep.read_text())
+        assert reports[window]["window"] == (window or "full") and reports[window]["cut_block"] is cut
+        assert reports[window]["heldout"]["overall"]["prompts"] == 2
+    assert reports[3]["heldout"]["overall"]["tau"] <= 3  # a 3-token window emits at most 3
+    r = CliRunner().invoke(eval_draft_command, ["--target", str(looping), "--draft", str(out),
+                                               "--heldout-file", str(held), "--window", "99"])
+    assert r.exit_code != 0 and "over the draft's block" in r.output
 
 
 def test_resume_continues_the_campaign(looping: Path, loop_data: Path, tmp_path: Path):

@@ -15,10 +15,14 @@ Log = Callable[[str], None]
 def evaluate(
     target: TargetModel, draft: DFlashDraft, tokenizer: Any, samples: list[Any],
     max_tokens: int = 128, log: Log = print, vocab: list[int] | None = None,
+    window: str | int = "full",
 ) -> dict[str, Any]:
     """Acceptance, tokens per cycle (tau) and the per-position acceptance curve of `draft`,
     overall and per prompt kind, decoding every prompt with the full 16-token verify
-    (`vocab`: the ids the draft may propose, draftvocab.choose; None: all).
+    (`vocab`: the ids the draft may propose, draftvocab.choose; None: all). A fixed `window`
+    of k tokens instead measures what a short verify gets, from blocks cut to k rows where the
+    draft's config allows it (engine/drafters.py; DFLASH_SHORT_BLOCK overrides): what cut-block
+    training (`--short-block-frac`) is for.
 
     curve[k-1] = share of cycles whose first k drafts were all accepted (k = 1..B-1).
     Overall also `by_position`: tau of the cycles that start in each 16-token stretch of the
@@ -35,7 +39,7 @@ def evaluate(
         final = None
         pos, last = 0, None  # answer tokens before `last`, the latest cycle's delta
         for i, ev in enumerate(stream_dflash_generate(
-            target, drafter, tokenizer, s.prompt_ids, max_tokens, verify_window="full",
+            target, drafter, tokenizer, s.prompt_ids, max_tokens, verify_window=window,
             copy_draft=False,
         )):
             if isinstance(ev, Finished):
@@ -138,8 +142,9 @@ def _eval_cli():
     @click.option("--prompts", "n_prompts", default=None, type=click.IntRange(1), help="First N held-out prompts (default all).")
     @click.option("--heldout-file", default=None, help="Default: the committed engine/training/heldout_prompts.jsonl.")
     @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default=None, help="Default: bf16 on GPU, fp32 on CPU.")
+    @click.option("--window", type=click.IntRange(2), default=None, help="Verify this many tokens a cycle instead of the whole block (blocks cut to it where the draft allows: DFLASH_SHORT_BLOCK).")
     @click.option("--out", default=None, help="Write the report (JSON) here.")
-    def eval_draft_command(target, draft, max_tokens, n_prompts, heldout_file, dtype, out):
+    def eval_draft_command(target, draft, max_tokens, n_prompts, heldout_file, dtype, window, out):
         """Held-out acceptance, tau and acceptance curve of DRAFT on TARGET (full 16-token verify)."""
         import json
 
@@ -148,6 +153,7 @@ def _eval_cli():
 
         from .. import draftvocab
         from ..draft import load_draft
+        from ..drafters import short_block_max
         from ..loading import draft_dtype
         from . import data as td
 
@@ -168,10 +174,19 @@ def _eval_cli():
             raise click.ClickException(str(e)) from e
         if vocab:
             log(f"[eval] draft vocabulary: {draftvocab.describe(len(vocab))} ({draftvocab.ENV})")
-        report = evaluate(tm, d, tokenizer, samples, max_tokens, log, vocab)
+        if window is not None and window > d.config.block_size:
+            raise click.ClickException(f"--window {window} is over the draft's block of {d.config.block_size}")
+        try:
+            cut = window is not None and window <= short_block_max(d.config)
+        except ValueError as e:
+            raise click.ClickException(str(e)) from e
+        if window is not None:
+            log(f"[eval] verify window {window}, " + (f"draft blocks cut to {window} rows" if cut else "whole draft blocks"))
+        report = evaluate(tm, d, tokenizer, samples, max_tokens, log, vocab, window or "full")
         if out:
             rec = {"target": target, "draft": draft, "max_tokens": max_tokens, "dtype": dt,
-                   "draft_vocab": len(vocab) if vocab else None,
+                   "draft_vocab": len(vocab) if vocab else None, "window": window or "full",
+                   "cut_block": bool(cut),
                    "device": str(mx.default_device()), "prompts": len(samples), "heldout": report}
             Path(out).write_text(json.dumps(rec, indent=2) + "\n")
 
