@@ -10,7 +10,10 @@ cache length not used before in this process (after warm-up calls at other lengt
 Then mlx-lm's own trick, a decode loop that builds step i+1 while step i runs, in ms a token;
 and the same forwards with each layer's MLP compiled (mx.compile: one fused graph per shape),
 which says how much fusing the small ops would buy (and whether the logits stay bitwise the
-same: `mlp_compiled_logits_equal`). With `--rows 4,8`: a greedy 16-token verify of that many
+same: `mlp_compiled_logits_equal`); and the same forwards with each layer's projections that
+read one input run as one product (q, k, v; gate, up: `fused_proj_`, 4 matmuls a layer instead
+of 7), which says what a launch-bound host pays per matmul (`fused_proj_logits_equal`).
+`--variants` picks among plain, mlp_compiled and fused_proj. With `--rows 4,8`: a greedy 16-token verify of that many
 draft rows (engine/branches.py) through engine/verify.py itself (caches copied into the rows,
 one batched pass, the best row kept), `verify16_rowsR`, beside the one-row `verify16_rows1`.
 """
@@ -48,6 +51,51 @@ def split_times(run, repeats: int) -> dict:
         build.append(t1 - t0)
         total.append(t2 - t0)
     return {"build_ms": _median_ms(build), "total_ms": _median_ms(total)}
+
+
+class SharedProduct:
+    """One matmul for several bias-free nn.Linear that read the same input: the first of them
+    called on an input computes x @ concat(W).T, each returns its own columns of it."""
+
+    def __init__(self, linears: list) -> None:
+        self.w = mx.concatenate([lin.weight for lin in linears], axis=0)
+        ends = [0]
+        for lin in linears:
+            ends.append(ends[-1] + lin.weight.shape[0])
+        self.spans = list(zip(ends, ends[1:]))
+        self.last: tuple | None = None  # (input, its product)
+
+    def part(self, i: int):
+        a, b = self.spans[i]
+
+        def call(x: mx.array) -> mx.array:
+            if self.last is None or self.last[0] is not x:
+                self.last = (x, x @ self.w.T)
+            return self.last[1][..., a:b]
+        return call
+
+
+def fuse_projections(layers) -> tuple:
+    """(fuse, unfuse): swap each layer's q/k/v and gate/up projections for SharedProduct parts."""
+    groups = []
+    for layer in layers:
+        for mod, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")),
+                           (layer.mlp, ("gate_proj", "up_proj"))):
+            lins = [getattr(mod, n) for n in names]
+            if all("bias" not in lin and "scales" not in lin for lin in lins):
+                groups.append((mod, names, SharedProduct(lins)))
+
+    def fuse() -> None:
+        for mod, names, shared in groups:
+            for i, n in enumerate(names):
+                object.__setattr__(mod, n, shared.part(i))  # the module stays the child
+
+    def unfuse() -> None:
+        for mod, names, _ in groups:
+            for n in names:
+                if n in mod.__dict__:
+                    object.__delattr__(mod, n)
+    return fuse, unfuse
 
 
 def probe(args: argparse.Namespace) -> dict:
@@ -115,17 +163,27 @@ def probe(args: argparse.Namespace) -> dict:
         rollback.rewind(caches, target.layers, 0, 16, None)
         return out
 
-    same = bool(mx.array_equal(logits_of(plain), logits_of(fused)).item())
+    fuse, unfuse = fuse_projections(target.layers)
+    ref = logits_of(plain)
+    same = bool(mx.array_equal(ref, logits_of(fused)).item())
+    use(plain)
+    fuse()
+    same_proj = bool(mx.array_equal(ref, logits_of(plain)).item())
+    unfuse()
+    variants = {"plain": ("", plain, False), "mlp_compiled": ("mlp_compiled_", fused, False),
+                "fused_proj": ("fused_proj_", plain, True)}
     samples: dict[str, list] = {}
     for _ in range(args.rounds):
-        for name, mlps in (("", plain), ("mlp_compiled_", fused)):
+        for name, mlps, proj in (variants[v] for v in args.variants):
             use(mlps)
+            (fuse if proj else unfuse)()
             for kind, run in (("step", forward(1, False)), ("verify16", forward(16, False)),
                               ("verify16_eager", forward(16, True)), ("draft15", propose)):
                 if not (kind == "draft15" and name):
                     samples.setdefault(name + kind, []).append(split_times(run, args.repeats))
             loop_ms(8)
             samples.setdefault(name + "loop_ms_per_token", []).append(loop_ms(64))
+            unfuse()
         for rows in args.rows and [1, *args.rows]:
             samples.setdefault(f"verify16_rows{rows}", []).append(
                 split_times(verify_rows(rows), args.repeats))
@@ -146,6 +204,7 @@ def probe(args: argparse.Namespace) -> dict:
                   "length not used before, after 3 warm-up calls; loops: ms a token over 64 steps; "
                   "variants alternate over --rounds rounds: medians over rounds, each round listed",
         "mlp_compiled_logits_equal": same,  # bitwise, a 16-token block at one cache state
+        "fused_proj_logits_equal": same_proj,
         "rows": rows,
     }
 
@@ -159,6 +218,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rows", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
                     help="also time greedy verifies of these draft-row counts, e.g. 4,8,16")
+    ap.add_argument("--variants", type=lambda v: [x for x in v.split(",") if x],
+                    default=["plain", "mlp_compiled", "fused_proj"],
+                    help="of plain, mlp_compiled, fused_proj (plain's rows carry no prefix)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     result = probe(args)

@@ -10,7 +10,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_probe_times_every_forward_and_compiled_mlps_keep_the_logits(tiny_dirs, tmp_path: Path):
+def test_probe_times_every_forward_and_its_variants_keep_the_logits(tiny_dirs, tmp_path: Path):
     out = tmp_path / "probe.json"
     d = tiny_dirs["llama"]
     subprocess.run([sys.executable, str(REPO / "scripts/host_probe.py"), "--model", str(d),
@@ -18,11 +18,13 @@ def test_probe_times_every_forward_and_compiled_mlps_keep_the_logits(tiny_dirs, 
                    check=True, capture_output=True, timeout=300)
     res = json.loads(out.read_text())
     assert res["mlp_compiled_logits_equal"] is True
+    assert res["fused_proj_logits_equal"] is True  # one product for q/k/v and gate/up: same logits
     rows = res["rows"]
     for kind in ("step", "verify16", "verify16_eager", "draft15", "mlp_compiled_step",
                  "mlp_compiled_verify16", "mlp_compiled_verify16_eager", "verify16_rows1",
-                 "verify16_rows4"):
+                 "verify16_rows4", "fused_proj_step", "fused_proj_verify16"):
         r = rows[kind]
         assert 0 < r["build_ms"] <= r["total_ms"] and len(r["rounds_total_ms"]) == 2
-    for kind in ("loop_ms_per_token", "mlp_compiled_loop_ms_per_token"):
+    assert "fused_proj_draft15" not in rows  # the draft pass is the same in every variant
+    for kind in ("loop_ms_per_token", "mlp_compiled_loop_ms_per_token", "fused_proj_loop_ms_per_token"):
         assert rows[kind]["median"] > 0 and len(rows[kind]["rounds"]) == 2
