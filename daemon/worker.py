@@ -38,6 +38,7 @@ from dflash.cache.client import CacheClient
 from dflash.cache.positions import PositionStore, Unavailable
 
 from dflash.engine import accel, draftvocab
+from dflash.engine.window import wide_windows
 
 from . import caching, codec, lifeline, paths
 from . import protocol as P
@@ -488,8 +489,8 @@ def _job_row(job: Job, jobs: JobQueue) -> dict[str, Any]:
 
 def _pair_notes(pair: Any) -> str:
     """The loaded pair's speed settings for the status line: few-row padding (engine/rowpad.py),
-    draft rows per verify (engine/branches.py), cut draft blocks (engine/drafters.py) and the
-    draft's proposal vocabulary (engine/draftvocab.py)."""
+    draft rows per verify (engine/branches.py), cut draft blocks (engine/drafters.py), wide
+    verify windows (engine/window.py) and the draft's proposal vocabulary (engine/draftvocab.py)."""
     if pair is None:
         return ""
     notes = "; few-row products padded" if pair.target.row_padding else ""
@@ -497,6 +498,11 @@ def _pair_notes(pair: Any) -> str:
         notes += f"; {pair.target.branches} draft rows a greedy verify"
     if pair.drafter.short_max:
         notes += f"; draft blocks cut to the window up to {pair.drafter.short_max} tokens"
+    try:
+        if wide_windows():
+            notes += "; whole-block verify whenever it pays"
+    except ValueError as e:  # a bad DFLASH_WINDOW_WIDE: said here, refused by each generation
+        notes += f"; {e}"
     n = pair.drafter.proposal_vocab
     return notes + (f"; draft proposes {draftvocab.describe(n)}" if n else "")
 

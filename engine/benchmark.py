@@ -62,6 +62,7 @@ from .drafters import DFlashDrafter, Drafter, short_block_max
 from .generate import Finished, stream_dflash_generate
 from .sampling import SamplingParams
 from .target import TargetModel
+from .window import wide_windows
 
 Log = Callable[[str], None]
 FORWARD_WARMUP = 3  # untimed step/verify pairs before the timed ones in time_forward
@@ -611,6 +612,8 @@ def method(cfg: BenchConfig, setup: Setup, runs: list[dict], first_time_used: bo
         # engine/drafters.py: windows up to this many tokens draft from a cut block (0: never)
         "short_block_max": (short_block_max(setup.draft_model.config)
                             if setup.draft_model is not None else None),
+        # engine/window.py: "auto" verifies the whole block whenever it pays (DFLASH_WINDOW_WIDE)
+        "window_wide": wide_windows(),
         "temperatures": list(cfg.temperatures),
         "top_p": cfg.top_p,
         "top_k": cfg.top_k,

@@ -10,6 +10,7 @@ arm is NAME:KEY=VALUE,...; the keys:
     cut=N       draft blocks cut to windows up to N tokens (the drafter's short_max; 0: whole)
     window=W    the verify window: auto, full or a number of tokens (generate.py)
     copy=0|1    copy drafting off / on
+    wide=0|1    "auto" verifies the whole block whenever it pays (DFLASH_WINDOW_WIDE; window.py)
     draft=DIR   another draft for the same target (loaded once per directory), e.g. a candidate
                 beside the bundled one
 Unset keys keep the loaded pair's defaults. `--baseline` adds mlx-lm's own decoding of the same
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 BASELINE = "mlx-lm"
-KEYS = ("cut", "window", "copy", "draft")
+KEYS = ("cut", "window", "copy", "wide", "draft")
 ENV_NOTED = ("MLX_CUDA_USE_CUDNN_SDPA", "DFLASH_VERIFY_ATTN", "DFLASH_PIPELINE", "DFLASH_BRANCHES",
              "DFLASH_SHORT_BLOCK", "DFLASH_DRAFT_VOCAB")
 
@@ -112,15 +113,23 @@ def _generate(pair, arm: Arm | None, ids: list[int], max_tokens: int) -> tuple[l
 
     if arm is None:
         return run_baseline(pair, ids, max_tokens)
+    from dflash.engine.window import WIDE_ENV
+
     drafter = arm.drafter or pair.drafter
-    saved = drafter.short_max
+    saved, saved_env = drafter.short_max, os.environ.get(WIDE_ENV)
     try:
         drafter.short_max = arm.settings.get("cut", saved)
+        if "wide" in arm.settings:
+            os.environ[WIDE_ENV] = "1" if arm.settings["wide"] else "0"
         out, rec = run_dflash(pair, drafter, ids, max_tokens,
                               window=arm.settings.get("window", "auto"),
                               copy_draft=arm.settings.get("copy", True))
     finally:
         drafter.short_max = saved
+        if saved_env is None:
+            os.environ.pop(WIDE_ENV, None)
+        else:
+            os.environ[WIDE_ENV] = saved_env
     eng = rec.get("engine_stats", {})
     rec.update(mean_verify_window=eng.get("mean_verify_window"), plain_steps=eng.get("plain_steps"))
     return out, rec

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -27,6 +28,7 @@ def test_arms_parse_and_bad_specs_say_what_is_wrong():
     assert mod.parse_arm("w8:window=8").settings == {"window": 8}
     assert mod.parse_arm("plain").settings == {}
     assert mod.parse_arm("new:draft=/x/y,cut=4").settings == {"draft": "/x/y", "cut": 4}
+    assert mod.parse_arm("narrow:wide=0").settings == {"wide": False}
     for bad, why in (("cut:cut=-1", "integer >= 0"), ("w:window=1", ">= 2"), ("x:rows=2", "not one of"),
                      (":cut=2", "NAME:KEY"), ("mlx-lm:cut=2", "NAME:KEY"), ("c:copy=2", "<= 1"),
                      ("c:cut", "not one of"), ("d:draft=", "needs a directory")):
@@ -34,22 +36,24 @@ def test_arms_parse_and_bad_specs_say_what_is_wrong():
             mod.parse_arm(bad)
 
 
-def test_every_arm_answers_every_prompt_alike(pairs):
+def test_every_arm_answers_every_prompt_alike(pairs, monkeypatch):
+    monkeypatch.delenv("DFLASH_WINDOW_WIDE", raising=False)
     mod = _module()
     pair = pairs("qwen3")
     before = pair.drafter.short_max
     prompts = [pair.tokenizer.encode(t) for t in ("The quick brown fox jumps", "def add(a, b):")]
-    arms = [mod.parse_arm(s) for s in ("whole:cut=0", "cut:cut=3", "w4:window=4,copy=0")]
+    arms = [mod.parse_arm(s) for s in ("whole:cut=0", "cut:cut=3", "w4:window=4,copy=0", "wide:wide=1")]
     res = mod.run(pair, prompts, arms, rounds=2, max_tokens=24, baseline=True, warmup=1)
     assert pair.drafter.short_max == before  # restored
-    assert list(res) == ["mlx-lm", "whole", "cut", "w4"]
+    assert list(res) == ["mlx-lm", "whole", "cut", "w4", "wide"]
+    assert "DFLASH_WINDOW_WIDE" not in os.environ  # each arm's setting is undone
     assert [r["question"] for r in res["cut"]] == [0, 1, 0, 1]
     assert all(r["tokens"] > 0 and r["decode_tps"] > 0 for arm in res.values() for r in arm)
-    assert all(r["same_ids"] for name in ("whole", "cut", "w4") for r in res[name])
+    assert all(r["same_ids"] for name in ("whole", "cut", "w4", "wide") for r in res[name])
     assert all(r["mean_verify_window"] <= 4 for r in res["w4"])
     table = mod.summary(res)
     assert table["mlx-lm"]["ratio"] == pytest.approx(1.0) and table["mlx-lm"]["tokens_per_cycle"] is None
-    for name in ("whole", "cut", "w4"):
+    for name in ("whole", "cut", "w4", "wide"):
         p = table[name]
         assert p["vs"] == "mlx-lm" and p["n"] == 4 and p["id_diffs"] == 0
         assert p["low"] <= p["ratio"] <= p["high"] and math.isfinite(p["ratio"])

@@ -52,6 +52,28 @@ def test_oracle_draft_fills_every_block(pairs, arch):
         assert final.stats.tokens_per_cycle >= B - 1
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_wide_windows_never_change_output(pairs, arch, monkeypatch):
+    """DFLASH_WINDOW_WIDE=1 (a GPU's default: the whole block whenever it pays): the same ids,
+    with a draft good enough to draft wide (the reference, wrong at its 5th token) and the
+    model's random one."""
+    from dflash.daemon.worker import _pair_notes
+
+    monkeypatch.setenv("DFLASH_VERIFY_COST", "0.035,0.3")  # a GPU's verify-cost prior
+    monkeypatch.setenv("DFLASH_WINDOW_WIDE", "1")
+    pair = pairs(arch)
+    assert "; whole-block verify whenever it pays" in _pair_notes(pair)  # dflashd status
+    ids = pair.tokenizer.encode(PROMPTS[1])
+    ref = greedy_reference(pair.target.model, ids, N_NEW + 16)
+    eos = set(pair.tokenizer.eos_token_ids)
+    oracle = OracleDrafter(ref, len(ids), 16, corrupt_at=(5,), vocab_size=pair.target.vocab_size)
+    for drafter in (oracle, pair.drafter):
+        final, _ = run_dflash(pair.target, drafter, pair.tokenizer, ids, N_NEW, verify_window="auto")
+        assert final.token_ids == cut_at_eos(ref[:N_NEW], eos), f"{arch}: wide windows diverged"
+    monkeypatch.setenv("DFLASH_WINDOW_WIDE", "2")
+    assert "DFLASH_WINDOW_WIDE must be 0 or 1" in _pair_notes(pair)
+
+
 @pytest.mark.parametrize("window", ["auto", 1, 2, 5])
 def test_verify_window_never_changes_output(pairs, window):
     """Any verify window gives the same ids (1: plain steps, no draft); auto shrinks it when the draft is poor."""

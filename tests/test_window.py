@@ -250,3 +250,34 @@ def test_cut_block_windows_measure_their_own_overhead() -> None:
     assert VerifyWindow(16, "auto", memory=mem).best()[1] < 1.0
     assert VerifyWindow(16, "auto", memory=WindowMemory(p=0.45, d=0.5, d_short=0.15), short_max=2).best() \
         == (2, pytest.approx(1.45 / 1.15))
+
+
+def test_wide_windows_verify_the_whole_block_whenever_it_pays(monkeypatch) -> None:
+    """DFLASH_WINDOW_WIDE=1 (a GPU's default): the whole block once it pays, plain steps when
+    nothing does; =0: the geometric model's own window, shorter at the same acceptance."""
+    import random
+
+    def accept(rng):  # each draft accepted with probability 0.7, the run ends at the first miss
+        def f(k):
+            n = 0
+            while n < k - 1 and rng.random() < 0.7:
+                n += 1
+            return n
+        return f
+
+    monkeypatch.setenv("DFLASH_VERIFY_COST", "0.035,0.3")  # the GPU's prior on this CPU
+    chosen = {}
+    for wide in ("1", "0"):
+        monkeypatch.setenv("DFLASH_WINDOW_WIDE", wide)
+        w = VerifyWindow(16, "auto")
+        assert w.wide is (wide == "1")
+        ks = _run(w, 200, accept(random.Random(0)), draft_cost=1.6)
+        chosen[wide] = [k for k in ks[20:] if k > 1]
+    assert chosen["1"] and set(chosen["1"]) == {16}
+    assert chosen["0"] and max(chosen["0"]) < 16
+    w = VerifyWindow(16, "auto")  # wide, at acceptance zero: drafting still stops
+    ks = _run(w, 256, lambda k: 0, draft_cost=2.5)
+    assert ks[-64:].count(1) >= 60
+    monkeypatch.setenv("DFLASH_WINDOW_WIDE", "yes")
+    with pytest.raises(ValueError, match="DFLASH_WINDOW_WIDE must be 0 or 1"):
+        VerifyWindow(16, "auto")
