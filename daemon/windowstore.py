@@ -26,7 +26,8 @@ from dflash.engine.window import WindowMemory
 log = logging.getLogger("dflash.worker")
 FILE = "window_memory.json"
 FORMAT = "dflash-window-memory/1"
-_BOUNDS = {"d": (0.0, 8.0), "d_short": (0.0, 8.0), "o": (0.0, 8.0), "p": (0.0, 1.0), "copy_p": (0.0, 1.0)}
+_BOUNDS = {"d": (0.0, 8.0), "d_short": (0.0, 8.0), "o": (0.0, 8.0), "p": (0.0, 1.0), "copy_p": (0.0, 1.0),
+           "full_tokens": (1.0, 64.0)}
 
 
 def pair_key(model: str, draft: str, dtype: str | None, device: str) -> str:

@@ -26,14 +26,20 @@ Cut blocks (a draft whose config allows them, `short_max` >= 2; engine/drafters.
 (2 rows: 9 ms against 20 ms for SmolLM2's draft, 200-row context). Its overhead is measured apart
 (d_short, prior d * SHORT_D_PRIOR), since one d would mix the two passes' costs and mislead both.
 
-Wide windows (a GPU's default; DFLASH_WINDOW_WIDE=1|0 sets it anywhere): whenever the whole
-block still pays under the model above (rate(B) >= 1), verify all of it. The geometric model
+Wide windows (a GPU's default; DFLASH_WINDOW_WIDE=1|0 sets it anywhere): the choice is the
+whole block or a plain step, by what whole-block cycles are measured to emit. The geometric model
 undervalues long windows: a run of accepted drafts is likelier to go on than p says (held-out
 P(accept >= k), k = 1..8: 0.67 0.43 0.28 0.20 0.15 0.12 0.09 0.07, so 0.64-0.80 a step, rising),
-and on a GPU a 16-token verify costs little more than an 8-token one. Measured on the H200
-(session 18, scripts/arms_ab.py, 5 chat + 11 held-out prompts, 256 tokens, interleaved):
-the model's own choice (mean window 5.1) 1.27x of mlx-lm, 8 tokens 1.42x, the whole block 1.63x.
-On a CPU a 16-token verify costs ~3 steps against ~1.7 for 4, and the model's window stays.
+and on a GPU a 16-token verify costs little more than an 8-token one. So "wide" keeps a running
+mean of the tokens a whole-block cycle emitted (`full_tokens`, prior: the geometric value at the
+prior p) and drafts the whole block while full_tokens / (v(B) + d) >= 1, a rate measured rather
+than modelled (d is measured on those same cycles); below it, plain steps, and the probes verify
+the whole block too, so the measurement can recover. Measured on the H200 (session 18,
+scripts/arms_ab.py, 5 chat + 11 held-out prompts, 256 tokens, interleaved, two machines):
+the model's own window 1.27x / 1.40x of mlx-lm, 8 tokens 1.42x, the whole block every cycle
+1.63x / 1.76x; a first wide rule (the whole block when the geometric rate(B) >= 1) 1.42x, no
+better than the model's window, since that rate is below 1 where whole blocks pay. On a CPU a
+16-token verify costs ~3 steps against ~1.7 for 4, and the model's window stays.
 
 A long-lived caller (the daemon's worker) hands the same `WindowMemory` to every generation of a
 pair: what one generation measured (d, o, the acceptance of drafts and copies) becomes the next
@@ -124,6 +130,7 @@ class WindowMemory:
     d_short: float | None = None  # the same for a block cut to its window (short_max)
     o: float | None = None  # a copy cycle's overhead
     p: float | None = None  # per-token acceptance of the model's draft
+    full_tokens: float | None = None  # tokens a whole-block draft cycle emitted (wide windows)
     copy_p: float | None = None  # per-token acceptance of copies
 
 
@@ -175,6 +182,11 @@ class VerifyWindow:
         self._since_draft = 0  # cycles without the model's draft since its last one
         self._since_step = 0  # draft and copy cycles since the last timed plain step
         self.wide = wide_windows()
+        # wide windows: tokens per whole-block draft cycle, a decayed mean (prior: the geometric
+        # value at the prior p, worth as many cycles as p's prior)
+        self._full_n = self.successes + self.failures
+        self._full_sum = self._full_n * (1.0 - self.p**block_size) / (1.0 - self.p)
+        self._full_seen = False
         self._best = self.best()  # changes only when a draft cycle is observed
         self.copy = CopyAcceptance()  # per-token acceptance of copy proposals
         self.o = COPY_OVERHEAD  # a copy cycle's overhead beyond its verify, in plain steps
@@ -196,6 +208,8 @@ class VerifyWindow:
             self.o = m.o
         if m.p is not None:
             self.successes, self.failures = m.p * PRIOR_WEIGHT, (1.0 - m.p) * PRIOR_WEIGHT
+        if m.full_tokens is not None:
+            self._full_n, self._full_sum = PRIOR_WEIGHT, m.full_tokens * PRIOR_WEIGHT
         if m.copy_p is not None:
             w = self.copy.successes + self.copy.failures
             self.copy.successes, self.copy.failures = m.copy_p * w, (1.0 - m.copy_p) * w
@@ -211,6 +225,8 @@ class VerifyWindow:
             m.d_short = self.d_short
         if self._draft_cycles:
             m.p = self.p
+        if self._full_seen:
+            m.full_tokens = self.full_tokens
         if self.copy.observed:
             m.copy_p, m.o = self.copy.p, self.o
 
@@ -220,13 +236,19 @@ class VerifyWindow:
         plain decoding costs here, the VM's stalls included as they hit every cycle alike."""
         return self._plain_total / self._plain_count if self._plain_count else None
 
+    @property
+    def full_tokens(self) -> float:
+        """Tokens a whole-block draft cycle emits, as measured (wide windows; see the module doc)."""
+        return self._full_sum / self._full_n
+
     def best(self) -> tuple[int, float]:
         """The window k >= 2 with the highest expected tokens per decode-step time, and that rate;
-        with wide windows the whole block whenever its own rate is at least a plain step's."""
-        rates = [(k, rate(self.p, k, self.overhead(k), self.v[k])) for k in range(2, self.block_size + 1)]
-        if self.wide and rates[-1][1] >= 1.0:
-            return rates[-1]
-        return max(rates, key=lambda t: t[1])
+        with wide windows the whole block, at its measured rate."""
+        B = self.block_size
+        if self.wide:
+            return B, self.full_tokens / (self.v[B] + self.overhead(B))
+        return max(((k, rate(self.p, k, self.overhead(k), self.v[k])) for k in range(2, B + 1)),
+                   key=lambda t: t[1])
 
     def overhead(self, window: int) -> float:
         """A draft cycle's cost beyond its verify, in plain steps, for this window's block."""
@@ -256,7 +278,9 @@ class VerifyWindow:
         if best_rate < 1.0:
             if self._since_draft < self._probe_gap:
                 return 1, 1.0  # drafting does not pay at this acceptance: decode plainly for a while
-            return min(k, self.probe_window), None  # a probe: the cheapest window testing the draft
+            # a probe: the cheapest window testing the draft (wide: the whole block, which is
+            # what the measured rate needs, and costs little more on the devices that use it)
+            return (k if self.wide else min(k, self.probe_window)), None
         return k, best_rate
 
     def plan(self, copy_len: int = 0, strength: float = 1.0) -> tuple[int, bool]:
@@ -307,6 +331,10 @@ class VerifyWindow:
         self._draft_cycles += 1
         self.successes = self.successes * self.decay + accepted
         self.failures = self.failures * self.decay + (1 if accepted < window - 1 else 0)
+        if window == self.block_size:
+            self._full_n = self._full_n * self.decay + 1.0
+            self._full_sum = self._full_sum * self.decay + accepted + 1.0
+            self._full_seen = True
         if (self.fixed is None and seconds is not None and self.step_s
                 and self._draft_cycles > 1):
             d = self._overhead(seconds, window)

@@ -281,3 +281,26 @@ def test_wide_windows_verify_the_whole_block_whenever_it_pays(monkeypatch) -> No
     monkeypatch.setenv("DFLASH_WINDOW_WIDE", "yes")
     with pytest.raises(ValueError, match="DFLASH_WINDOW_WIDE must be 0 or 1"):
         VerifyWindow(16, "auto")
+
+
+def test_wide_windows_follow_the_measured_whole_block_rate_and_recover(monkeypatch) -> None:
+    """Wide: the whole block while what its cycles emit pays for them, plain steps (probing with
+    the whole block) once it stops, the whole block again when the text turns predictable; the
+    measured tokens per whole-block cycle carry to the next generation."""
+    from dflash.engine.window import WindowMemory
+
+    monkeypatch.setenv("DFLASH_VERIFY_COST", "0.035,0.3")
+    monkeypatch.setenv("DFLASH_WINDOW_WIDE", "1")
+    w = VerifyWindow(16, "auto")
+    ks = _run(w, 40, lambda k: k - 1, draft_cost=2.0)  # every draft accepted: 16 tokens a cycle
+    assert [k for k in ks[5:] if k > 1] and set(k for k in ks[5:] if k > 1) == {16}
+    assert w.full_tokens > 12
+    ks = _run(w, 200, lambda k: 0, draft_cost=2.0)  # nothing accepted: plain steps, whole-block probes
+    assert ks[-100:].count(1) >= 95 and set(ks[-100:]) <= {1, 16}
+    assert w.full_tokens < 2 and w.best()[1] < 1.0  # a whole block no longer pays
+    ks = _run(w, 300, lambda k: k - 1, draft_cost=2.0)  # predictable again: back to whole blocks
+    assert ks[-50:].count(16) >= 45
+    m = WindowMemory()
+    w.remember(m)
+    assert m.full_tokens == w.full_tokens > 12
+    assert VerifyWindow(16, "auto", memory=m).full_tokens == m.full_tokens

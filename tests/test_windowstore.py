@@ -19,9 +19,9 @@ def test_round_trip_keeps_each_pair_and_kind(tmp_path):
     assert a != b and "float32" in a and "native" in b
     greedy, sampled = WindowMemory(d=0.9, d_short=0.4, o=0.1, p=0.35, copy_p=0.5), WindowMemory(p=0.2)
     windowstore.save(tmp_path, a, {True: greedy, False: sampled})
-    windowstore.save(tmp_path, b, {True: WindowMemory(d=0.2, p=0.7)})
+    windowstore.save(tmp_path, b, {True: WindowMemory(d=0.2, p=0.7, full_tokens=5.5)})
     assert windowstore.load(tmp_path, a) == {True: greedy, False: sampled}
-    assert windowstore.load(tmp_path, b) == {True: WindowMemory(d=0.2, p=0.7)}
+    assert windowstore.load(tmp_path, b) == {True: WindowMemory(d=0.2, p=0.7, full_tokens=5.5)}
     assert windowstore.load(tmp_path, "another pair") == {}
     assert not list(tmp_path.glob(".*.tmp"))  # written through a temporary file, then replaced
 
