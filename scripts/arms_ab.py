@@ -137,9 +137,11 @@ def _generate(pair, arm: Arm | None, ids: list[int], max_tokens: int) -> tuple[l
 
 def run(pair, prompts: list[list[int]], arms: list[Arm], rounds: int, max_tokens: int,
         baseline: bool = False, tolerate_id_diffs: bool = False, warmup: int = 0,
-        on_round: Callable[[dict[str, list[dict]]], None] | None = None) -> dict[str, list[dict]]:
+        on_round: Callable[[dict[str, list[dict]]], None] | None = None,
+        log: Callable[[str], None] | None = None) -> dict[str, list[dict]]:
     """Every prompt (token ids) by every arm each round, the order shuffled per prompt;
-    `on_round` sees the results so far after each round (a run cut short keeps its rounds)."""
+    `on_round` sees the results so far after each round (a run cut short keeps its rounds), `log`
+    gets a line per prompt (a run cut short keeps those too)."""
     names = ([BASELINE] if baseline else []) + [a.name for a in arms]
     if len(set(names)) != len(names):
         raise ValueError(f"arm names must differ: {names}")
@@ -164,6 +166,11 @@ def run(pair, prompts: list[list[int]], arms: list[Arm], rounds: int, max_tokens
                 res[name][-1]["same_ids"] = same
                 if not same and not tolerate_id_diffs:
                     raise AssertionError(f"question {i}: arm {name!r} changed the output")
+            if log:
+                log(f"round {r} question {i}: " + ", ".join(
+                    f"{n} {res[n][-1]['decode_tps']:.1f} tok/s"
+                    + (f" ({res[n][-1]['tokens_per_cycle']:.2f}/cycle)" if res[n][-1]['tokens_per_cycle'] else "")
+                    for n in names))
         if on_round:
             on_round(res)
     return res
@@ -236,7 +243,7 @@ def main() -> None:
                 indent=1))
 
     res = run(pair, prompts, arms, a.rounds, a.max_tokens, a.baseline, a.tolerate_id_diffs,
-              a.warmup, on_round=write)
+              a.warmup, on_round=write, log=lambda line: print(line, flush=True))
     for name, row in summary(res).items():
         print(f"{name:>10}: {row['ratio']:.3f}x of {row['vs']} decode tok/s (95% interval "
               f"{row['low']:.3f}-{row['high']:.3f}, {row['n']} pairs)"
