@@ -500,7 +500,7 @@ def _pair_notes(pair: Any) -> str:
         notes += f"; draft blocks cut to the window up to {pair.drafter.short_max} tokens"
     try:
         if wide_windows():
-            notes += "; whole-block verify whenever it pays"
+            notes += "; wide verify windows (the whole block or a plain step, by measurement)"
     except ValueError as e:  # a bad DFLASH_WINDOW_WIDE: said here, refused by each generation
         notes += f"; {e}"
     n = pair.drafter.proposal_vocab

@@ -612,7 +612,7 @@ def method(cfg: BenchConfig, setup: Setup, runs: list[dict], first_time_used: bo
         # engine/drafters.py: windows up to this many tokens draft from a cut block (0: never)
         "short_block_max": (short_block_max(setup.draft_model.config)
                             if setup.draft_model is not None else None),
-        # engine/window.py: "auto" verifies the whole block whenever it pays (DFLASH_WINDOW_WIDE)
+        # engine/window.py: "auto" chooses the whole block or a plain step, by measurement (DFLASH_WINDOW_WIDE)
         "window_wide": wide_windows(),
         "temperatures": list(cfg.temperatures),
         "top_p": cfg.top_p,

@@ -95,7 +95,7 @@ from .lookup import CopyAcceptance
 # d is a start value that measurement replaces.
 CPU_VERIFY_COST = {1: 1.0, 2: 1.0, 3: 1.47, 4: 1.72, 5: 1.95, 6: 2.0, 8: 2.11, 12: 2.55, 16: 2.96}
 DEFAULT_COSTS = {"cpu": (CPU_VERIFY_COST, 0.2), "gpu": (0.035, 0.3)}
-WIDE_ENV = "DFLASH_WINDOW_WIDE"  # 1: verify the whole block whenever it pays; 0: the model's best k
+WIDE_ENV = "DFLASH_WINDOW_WIDE"  # 1: the whole block or a plain step, measured; 0: the model's best k
 COPY_OVERHEAD = 0.05  # o's prior: a copy cycle has no draft pass, only a host-side lookup
 SHORT_D_PRIOR = 0.5  # d_short's prior, a share of d: a cut block's draft pass is ~half the whole's
 
@@ -355,8 +355,8 @@ def _updated(old: float, new: float, measured: bool) -> float:
 
 
 def wide_windows() -> bool:
-    """Whether "auto" verifies the whole block whenever it pays: on a GPU, unless DFLASH_WINDOW_WIDE
-    says otherwise (1 or 0)."""
+    """Whether "auto" chooses between the whole block and a plain step only (wide windows): on a
+    GPU, unless DFLASH_WINDOW_WIDE says otherwise (1 or 0)."""
     env = os.environ.get(WIDE_ENV, "").strip()
     if env:
         if env not in ("0", "1"):

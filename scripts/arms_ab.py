@@ -10,14 +10,16 @@ arm is NAME:KEY=VALUE,...; the keys:
     cut=N       draft blocks cut to windows up to N tokens (the drafter's short_max; 0: whole)
     window=W    the verify window: auto, full or a number of tokens (generate.py)
     copy=0|1    copy drafting off / on
-    wide=0|1    "auto" verifies the whole block whenever it pays (DFLASH_WINDOW_WIDE; window.py)
+    wide=0|1    "auto" chooses the whole block or a plain step by measurement (DFLASH_WINDOW_WIDE,
+                engine/window.py; a GPU's default)
     draft=DIR   another draft for the same target (loaded once per directory), e.g. a candidate
                 beside the bundled one
 Unset keys keep the loaded pair's defaults. `--baseline` adds mlx-lm's own decoding of the same
 model as an arm ("mlx-lm"), timed with the same clock (engine/benchmark.py), so every arm's
 speedup comes out of the same interleaving. `--warmup` answers the first question by every arm
-that many times untimed first (compiles, caches, a GPU's first kernels). In one process the machine's drift hits every arm
-alike, which `dflash benchmark` runs in separate processes cannot promise: a 4% effect needs this.
+that many times untimed first (compiles, caches, a GPU's first kernels). In one process the
+machine's drift hits every arm alike, which `dflash benchmark` runs in separate processes cannot
+promise: a 4% effect needs this.
 
 The output cannot depend on the arm: ids must equal the first arm's (with --baseline, mlx-lm's).
 On a bf16 GPU a 16-token verify and a 1-token step may round a near-tie differently (README,
@@ -41,7 +43,7 @@ from typing import Any, Callable
 BASELINE = "mlx-lm"
 KEYS = ("cut", "window", "copy", "wide", "draft")
 ENV_NOTED = ("MLX_CUDA_USE_CUDNN_SDPA", "DFLASH_VERIFY_ATTN", "DFLASH_PIPELINE", "DFLASH_BRANCHES",
-             "DFLASH_SHORT_BLOCK", "DFLASH_DRAFT_VOCAB")
+             "DFLASH_SHORT_BLOCK", "DFLASH_DRAFT_VOCAB", "DFLASH_WINDOW_WIDE")
 
 
 @dataclass
