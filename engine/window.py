@@ -100,11 +100,16 @@ COPY_OVERHEAD = 0.05  # o's prior: a copy cycle has no draft pass, only a host-s
 SHORT_D_PRIOR = 0.5  # d_short's prior, a share of d: a cut block's draft pass is ~half the whole's
 
 
+def expected_tokens(p: float, k: int) -> float:
+    """Tokens a window of k emits at per-token acceptance p: 1 + p + ... + p^(k-1)."""
+    p = min(p, 0.999)
+    return (1.0 - p**k) / (1.0 - p)
+
+
 def rate(p: float, k: int, overhead: float, verify_cost: float) -> float:
     """Expected tokens per decode-step time of a window k at per-token acceptance p, when its
     verify costs `verify_cost` decode steps and the cycle `overhead` more."""
-    p = min(p, 0.999)
-    return (1.0 - p**k) / (1.0 - p) / (verify_cost + overhead)
+    return expected_tokens(p, k) / (verify_cost + overhead)
 
 
 def verify_costs(prior: float | dict[int, float], block_size: int) -> list[float]:
@@ -184,8 +189,8 @@ class VerifyWindow:
         self.wide = wide_windows()
         # wide windows: tokens per whole-block draft cycle, a decayed mean (prior: the geometric
         # value at the prior p, worth as many cycles as p's prior)
-        self._full_n = self.successes + self.failures
-        self._full_sum = self._full_n * (1.0 - self.p**block_size) / (1.0 - self.p)
+        self._full_n = PRIOR_WEIGHT
+        self._full_sum = PRIOR_WEIGHT * expected_tokens(self.p, block_size)
         self._full_seen = False
         self._best = self.best()  # changes only when a draft cycle is observed
         self.copy = CopyAcceptance()  # per-token acceptance of copy proposals
