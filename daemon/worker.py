@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import inspect
 import logging
 import os
 import secrets
@@ -38,7 +39,7 @@ from dflash.cache.client import CacheClient
 from dflash.cache.positions import PositionStore, Unavailable
 
 from dflash.engine import accel, draftvocab
-from dflash.engine.window import wide_windows
+from dflash.engine.window import confidence_windows, wide_windows
 
 from . import caching, codec, lifeline, paths
 from . import protocol as P
@@ -490,7 +491,7 @@ def _job_row(job: Job, jobs: JobQueue) -> dict[str, Any]:
 def _pair_notes(pair: Any) -> str:
     """The loaded pair's speed settings for the status line: few-row padding (engine/rowpad.py),
     draft rows per verify (engine/branches.py), cut draft blocks (engine/drafters.py), wide
-    verify windows (engine/window.py) and the draft's proposal vocabulary (engine/draftvocab.py)."""
+    or confidence-chosen verify windows (engine/window.py) and the draft's proposal vocabulary (engine/draftvocab.py)."""
     if pair is None:
         return ""
     notes = "; few-row products padded" if pair.target.row_padding else ""
@@ -501,7 +502,9 @@ def _pair_notes(pair: Any) -> str:
     try:
         if wide_windows():
             notes += "; wide verify windows (the whole block or a plain step, by measurement)"
-    except ValueError as e:  # a bad DFLASH_WINDOW_WIDE: said here, refused by each generation
+        elif confidence_windows() and "confidence" in inspect.signature(pair.drafter.propose).parameters:
+            notes += "; greedy verify windows chosen by the draft's confidence"
+    except ValueError as e:  # a bad DFLASH_WINDOW_WIDE/_CONFIDENCE: said here, refused by each generation
         notes += f"; {e}"
     n = pair.drafter.proposal_vocab
     return notes + (f"; draft proposes {draftvocab.describe(n)}" if n else "")

@@ -173,6 +173,7 @@ def run_dflash(
         accepted_drafts=s.accepted_drafts,
         accept_histogram=list(s.accept_histogram),
         copy_cycles=s.copy_cycles,
+        confidence_windows=s.confidence_windows,
         run_ahead=s.run_ahead,
         engine_stats=s.to_dict(),
     )

@@ -61,6 +61,9 @@ class Drafter(Protocol):
         A drafter without the `sampling` parameter is used as an ids-only one.
         `rows` > 1 (greedy, a drafter with the parameter): ids [rows', count], several
         proposals for one batched verify (engine/branches.py); rows' may be fewer.
+        A drafter with a `confidence` parameter (greedy): given True, (ids, p) with p the
+        draft's own probability of each proposed id, for a window chosen after the draft
+        (engine/window.py, "Windows chosen by the draft's confidence").
         """
         ...
 
@@ -136,6 +139,7 @@ class DFlashDrafter:
         count: int | None = None,
         sampling: DraftSampling | None = None,
         rows: int = 1,
+        confidence: bool = False,
     ) -> mx.array | tuple[mx.array, mx.array]:
         if self.context_len != anchor_pos:
             raise RuntimeError(
@@ -149,7 +153,13 @@ class DFlashDrafter:
         logits = (self.target.lm_head if self.head is None else self.head)(hidden)[0]
         if sampling is None:
             best = branches.rows_from_logits(logits, rows) if rows > 1 else mx.argmax(logits, axis=-1)
-            return (best if self.head is None else self.head.token_ids(best)).astype(mx.int32)
+            ids = (best if self.head is None else self.head.token_ids(best)).astype(mx.int32)
+            if not confidence:
+                return ids
+            # the softmax at the argmax, 1 / sum(exp(logits - max)): calibrated on held-out text
+            # (session 19: drafts at p 0.9+ accepted 98% of the time, at 0.5 65%)
+            top = mx.max(logits, axis=-1, keepdims=True).astype(mx.float32)
+            return ids, 1.0 / mx.sum(mx.exp(logits.astype(mx.float32) - top), axis=-1)
         if self.head is not None:
             logits = self.head.full(logits)  # q is zero outside the subset
         q = sampling_mod.probs(logits, sampling.params)

@@ -62,6 +62,7 @@ class GenerationStats:
     mean_verify_window: float = 0.0  # tokens per verify pass (see window.py)
     plain_steps: int = 0  # cycles run as plain decode steps (window 1: drafting did not pay)
     copy_cycles: int = 0  # cycles that verified a copy proposal instead of the model's draft
+    confidence_windows: int = 0  # draft cycles whose window the draft's confidence chose
     copy_accepted: int = 0  # copied tokens accepted (part of accepted_drafts)
     branch_rows: int = 1  # draft rows per model-draft verify (engine/branches.py; greedy only)
     branch_wins: int = 0  # cycles that kept a row other than the draft's top-1 one
@@ -197,6 +198,8 @@ def stream_dflash_generate(
     no_drafts = mx.zeros((0,), mx.int32)  # a plain step verifies the anchor alone
     drafter_params = inspect.signature(drafter.propose).parameters
     drafter_samples = "sampling" in drafter_params
+    # greedy windows re-chosen from the draft's own confidence (window.py), where it says so
+    confident = keys is None and "confidence" in drafter_params
     branch_rows = target.branches if branches is None else branches
     if branch_rows < 1:
         raise ValueError(f"branches must be >= 1, got {branch_rows}")
@@ -258,6 +261,7 @@ def stream_dflash_generate(
             cyc.copied = True
             return cyc
         rows_here = by_rows if k >= MIN_WIDTH else {}
+        whole = False
         if ready is not None:  # greedy only: ids of the first k-1 positions, as propose(k-1) gives
             if ready.ndim == 2 and not rows_here:
                 ready = ready[0]  # the top-1 row: this window is too narrow for several
@@ -265,7 +269,13 @@ def stream_dflash_generate(
             stats.run_ahead += 1
         else:
             flush()
-            if draft_key is None or not drafter_samples:  # ids only: q is one-hot at them
+            if confident and not rows_here and window.reads_draft(k):
+                # the whole block, and the window its confidence pays for (a second host read)
+                drafts, conf = drafter.propose(anchor, pos, confidence=True)
+                mx.eval(drafts, conf)
+                k = window.after_draft(conf.tolist())
+                drafts, q, whole = drafts[: k - 1], None, True
+            elif draft_key is None or not drafter_samples:  # ids only: q is one-hot at them
                 drafts, q = drafter.propose(anchor, pos, k - 1, **rows_here), None
             else:
                 drafts, q = drafter.propose(anchor, pos, k - 1,
@@ -273,6 +283,7 @@ def stream_dflash_generate(
             if target.pipelined:  # the draft runs on the device while the verify is built
                 mx.async_eval(drafts)
         cyc = check(anchor, drafts, q)
+        cyc.whole_block = whole
         if runs_ahead and window.likely_full(k):
             flush()
             drafter.add_context(cyc.features)
@@ -322,7 +333,8 @@ def stream_dflash_generate(
             stats.copy_cycles += cyc.copied
             stats.copy_accepted += accepted if cyc.copied else 0
             stats.branch_wins += cyc.rows > 1 and values[-1] != 0
-            window.observe(cyc.block_len, accepted, cycle_s, cyc.copied)
+            window.observe(cyc.block_len, accepted, cycle_s, cyc.copied, cyc.whole_block)
+            stats.confidence_windows += cyc.whole_block
             verified_tokens += cyc.block_len
             new = values[1 : 1 + n_keep]
             if proposer is not None:

@@ -39,6 +39,7 @@ class Verified:
     # accepted (engine/generate.py, run-ahead); the draft's context already holds this block
     ahead: mx.array | None = None
     rows: int = 1  # proposals verified in this pass; > 1: summary ends with the kept row's index
+    whole_block: bool = False  # drafted whole, the window then chosen by the draft's confidence
 
 
 def greedy_accept(drafts: mx.array, greedy: mx.array) -> mx.array:

@@ -41,6 +41,21 @@ the model's own window 1.27x / 1.40x of mlx-lm, 8 tokens 1.42x, the whole block 
 better than the model's window, since that rate is below 1 where whole blocks pay. On a CPU a
 16-token verify costs ~3 steps against ~1.7 for 4, and the model's window stays.
 
+Windows chosen by the draft's confidence (opt-in: DFLASH_WINDOW_CONFIDENCE=1, where "auto" uses
+the model's window): when the model's window needs the whole block drafted anyway (k >
+short_max), the host reads the draft's own probability of each proposal c_1..c_15 before the
+verify and takes the window j with the most expected tokens per cost,
+(1 + c_1 + c_1*c_2 + ... + c_1*...*c_(j-1)) / (v(j) + d). The draft is calibrated (held-out,
+session 19: proposals at 0.9+ accepted 98% of the time, at 0.5 65%, at 0.1 26%), so a cycle
+verifies as far as this block's drafts are likely right instead of as far as recent blocks were.
+It costs a second host read a cycle and the LM head over all 15 rows. Replayed on held-out traces
+(scripts/window_sim.py, CPU costs, cut blocks) it gave 1.57 -> 1.64 tokens a step-time; measured
+on the CPU in one process (scripts/arms_ab.py, 74 paired generations in two runs) it tied:
+1.019x (0.988-1.050) and 0.990x (0.940-1.044) of the model's window, so it stays off by default.
+Never with wide windows (a GPU's: there a window costs about the same whatever its width, and the
+read would stall the launches that overlap the draft). Greedy only: a sampled draft's window must
+not depend on its draws.
+
 A long-lived caller (the daemon's worker) hands the same `WindowMemory` to every generation of a
 pair: what one generation measured (d, o, the acceptance of drafts and copies) becomes the next
 one's prior, so a short answer does not pay the first cycles' exploration each time (a draft
@@ -96,6 +111,7 @@ from .lookup import CopyAcceptance
 CPU_VERIFY_COST = {1: 1.0, 2: 1.0, 3: 1.47, 4: 1.72, 5: 1.95, 6: 2.0, 8: 2.11, 12: 2.55, 16: 2.96}
 DEFAULT_COSTS = {"cpu": (CPU_VERIFY_COST, 0.2), "gpu": (0.035, 0.3)}
 WIDE_ENV = "DFLASH_WINDOW_WIDE"  # 1: the whole block or a plain step, measured; 0: the model's best k
+CONFIDENCE_ENV = "DFLASH_WINDOW_CONFIDENCE"  # 1: a drafted block's window re-chosen by its confidence
 COPY_OVERHEAD = 0.05  # o's prior: a copy cycle has no draft pass, only a host-side lookup
 SHORT_D_PRIOR = 0.5  # d_short's prior, a share of d: a cut block's draft pass is ~half the whole's
 
@@ -187,6 +203,8 @@ class VerifyWindow:
         self._since_draft = 0  # cycles without the model's draft since its last one
         self._since_step = 0  # draft and copy cycles since the last timed plain step
         self.wide = wide_windows()
+        # windows re-chosen from the draft's confidence (see the module doc): the model's window only
+        self.confident = confidence_windows() and self.fixed is None and not self.wide
         # wide windows: tokens per whole-block draft cycle, a decayed mean (prior: the geometric
         # value at the prior p, worth as many cycles as p's prior)
         self._full_n = PRIOR_WEIGHT
@@ -264,6 +282,23 @@ class VerifyWindow:
         (p^(k-1) >= 1/2): then the next cycle's draft is worth queueing before it is read."""
         return window >= 2 and self.p ** (window - 1) >= 0.5
 
+    def reads_draft(self, window: int) -> bool:
+        """Whether a cycle of this window drafts the whole block and lets its confidence choose
+        the window (after_draft)."""
+        return self.confident and window > self.short_max
+
+    def after_draft(self, confidence: list[float]) -> int:
+        """The window for a drafted whole block whose proposals the draft gives probabilities
+        `confidence` (c_1..c_(B-1)): the most expected tokens per cost (see the module doc)."""
+        best_k, best, expected, run = 2, -1.0, 1.0, 1.0
+        for k in range(2, self.block_size + 1):
+            run *= min(max(confidence[k - 2], 0.0), 1.0)
+            expected += run
+            r = expected / (self.v[k] + self.d)
+            if r > best:
+                best_k, best = k, r
+        return best_k
+
     def next(self) -> int:
         """The window of the next cycle without copy drafting (1: a plain step)."""
         return self._model()[0]
@@ -309,9 +344,10 @@ class VerifyWindow:
         return min(max(seconds / self.step_s - self.v[window], 0.0), 8.0)
 
     def observe(self, window: int, accepted: int, seconds: float | None = None,
-                copied: bool = False) -> None:
+                copied: bool = False, whole_block: bool = False) -> None:
         """A cycle verified window-1 drafts (`copied`: a copy proposal's), accepted the first
-        `accepted`, and took `seconds`."""
+        `accepted`, and took `seconds`; `whole_block`: the draft ran whole whatever the window
+        (after_draft), so its time is a whole block's even for a window short_max would cut."""
         self.cycles += 1
         after_plain, self._last_plain = self._last_plain, window == 1 and not copied
         if copied:  # not a draft cycle: the model's estimates and the probe schedule stay
@@ -343,7 +379,7 @@ class VerifyWindow:
         if (self.fixed is None and seconds is not None and self.step_s
                 and self._draft_cycles > 1):
             d = self._overhead(seconds, window)
-            if window <= self.short_max:
+            if window <= self.short_max and not whole_block:
                 self.d_short, self._d_short_measured = _updated(self.d_short, d, self._d_short_measured), True
             else:
                 self.d, self._d_measured = _updated(self.d, d, self._d_measured), True
@@ -362,12 +398,23 @@ def _updated(old: float, new: float, measured: bool) -> float:
 def wide_windows() -> bool:
     """Whether "auto" chooses between the whole block and a plain step only (wide windows): on a
     GPU, unless DFLASH_WINDOW_WIDE says otherwise (1 or 0)."""
-    env = os.environ.get(WIDE_ENV, "").strip()
+    return _env_switch(WIDE_ENV, mx.default_device() == mx.gpu)
+
+
+def confidence_windows() -> bool:
+    """Whether "auto" without wide windows lets the draft's confidence choose a drafted whole
+    block's window (greedy; see the module doc): DFLASH_WINDOW_CONFIDENCE=1 (off by default)."""
+    return _env_switch(CONFIDENCE_ENV, False)
+
+
+def _env_switch(name: str, default: bool) -> bool:
+    """An on/off setting from the environment (1 or 0; unset or empty: `default`)."""
+    env = os.environ.get(name, "").strip()
     if env:
         if env not in ("0", "1"):
-            raise ValueError(f"{WIDE_ENV} must be 0 or 1, got {env!r}")
+            raise ValueError(f"{name} must be 0 or 1, got {env!r}")
         return env == "1"
-    return mx.default_device() == mx.gpu
+    return default
 
 
 def _costs() -> tuple[float | dict[int, float], float]:

@@ -130,3 +130,39 @@ def test_cut_blocks_never_change_output(pairs, arch):
             assert final.token_ids == ref, f"{arch}: window {window} with cut blocks diverged"
     finally:
         pair.drafter.short_max = saved
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_confidence_windows_never_change_output(pairs, arch, monkeypatch):
+    """Greedy windows chosen after the draft by its confidence (DFLASH_WINDOW_CONFIDENCE=1, in the
+    model's window mode): whatever window the choice makes, 2 to 16, the ids stay mlx-lm's. Every cycle
+    drafts the whole block here and the choice is forced through all windows in turn, since a
+    random draft is never confident enough to pick more than 2 itself."""
+    from dflash.daemon.worker import _pair_notes
+    from dflash.engine.window import VerifyWindow
+
+    monkeypatch.setenv("DFLASH_WINDOW_WIDE", "0")
+    monkeypatch.delenv("DFLASH_WINDOW_CONFIDENCE", raising=False)
+    pair = pairs(arch)
+    assert "confidence" not in _pair_notes(pair)  # off by default
+    monkeypatch.setenv("DFLASH_WINDOW_CONFIDENCE", "1")
+    assert "; greedy verify windows chosen by the draft's confidence" in _pair_notes(pair)
+    picks = iter(range(10**6))
+    seen: list[int] = []
+    choose = VerifyWindow.after_draft
+
+    def forced(self, confidence):
+        assert len(confidence) == 15 and all(0.0 <= c <= 1.0 + 1e-6 for c in confidence)
+        seen.append(choose(self, confidence))  # the real choice runs too
+        return 2 + next(picks) % 15
+
+    monkeypatch.setattr(VerifyWindow, "_model", lambda self: (16, 2.0))  # always draft whole
+    monkeypatch.setattr(VerifyWindow, "after_draft", forced)
+    ids = pair.tokenizer.encode(PROMPTS[1])
+    ref = greedy_reference(pair.target.model, ids, N_NEW)
+    final, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, N_NEW, verify_window="auto")
+    assert final.token_ids == cut_at_eos(ref, set(pair.tokenizer.eos_token_ids))
+    assert final.stats.confidence_windows == final.stats.cycles > 0 and seen
+    assert all(2 <= k <= 16 for k in seen)
+    monkeypatch.setenv("DFLASH_WINDOW_CONFIDENCE", "yes")
+    assert "DFLASH_WINDOW_CONFIDENCE must be 0 or 1" in _pair_notes(pair)

@@ -304,3 +304,36 @@ def test_wide_windows_follow_the_measured_whole_block_rate_and_recover(monkeypat
     w.remember(m)
     assert m.full_tokens == w.full_tokens > 12
     assert VerifyWindow(16, "auto", memory=m).full_tokens == m.full_tokens
+
+
+def test_the_drafts_confidence_chooses_a_drafted_blocks_window(monkeypatch) -> None:
+    """DFLASH_WINDOW_CONFIDENCE=1 (opt-in), without wide windows: a window wider than short_max
+    drafts the whole block and its window is then chosen from the draft's confidence, as far as
+    its drafts are likely right; its time counts as a whole block's (d), not a cut one's."""
+    monkeypatch.setenv("DFLASH_WINDOW_WIDE", "0")
+    monkeypatch.delenv("DFLASH_WINDOW_CONFIDENCE", raising=False)
+    monkeypatch.delenv("DFLASH_VERIFY_COST", raising=False)
+    assert not VerifyWindow(16, "auto", short_max=2).confident  # off by default
+    monkeypatch.setenv("DFLASH_WINDOW_CONFIDENCE", "1")
+    w = VerifyWindow(16, "auto", short_max=2)
+    assert w.confident and not w.reads_draft(2) and w.reads_draft(3) and w.reads_draft(16)
+    assert w.after_draft([0.999] * 15) == 16  # every draft near-certain: the whole block
+    assert w.after_draft([0.01] * 15) == 2  # nothing likely: the narrowest window
+    sure_then_lost = [0.99] * 6 + [0.05] * 9
+    assert 6 <= w.after_draft(sure_then_lost) <= 8  # stops where the drafts stop being likely
+    assert w.after_draft([0.9] * 15) > w.after_draft([0.6] * 15)
+    w.observe(8, 3, 10 * STEP)  # the first draft cycle: not used
+    w.observe(1, 0, STEP)
+    d_short = w.d_short
+    w.observe(2, 1, (w.v[2] + 0.5) * STEP, whole_block=True)  # a whole block verified at 2
+    assert w.d_short == d_short and w.d == pytest.approx(0.5)
+    # fixed windows, wide windows and DFLASH_WINDOW_CONFIDENCE=0 keep the drafted window
+    assert not VerifyWindow(16, 8).confident
+    monkeypatch.setenv("DFLASH_WINDOW_CONFIDENCE", "0")
+    assert not VerifyWindow(16, "auto").reads_draft(8)
+    monkeypatch.setenv("DFLASH_WINDOW_CONFIDENCE", "1")
+    monkeypatch.setenv("DFLASH_WINDOW_WIDE", "1")
+    assert not VerifyWindow(16, "auto").confident
+    monkeypatch.setenv("DFLASH_WINDOW_CONFIDENCE", "2")
+    with pytest.raises(ValueError, match="DFLASH_WINDOW_CONFIDENCE must be 0 or 1"):
+        VerifyWindow(16, "auto")
