@@ -12,6 +12,10 @@ arm is NAME:KEY=VALUE,...; the keys:
     copy=0|1    copy drafting off / on
     wide=0|1    "auto" chooses the whole block or a plain step by measurement (DFLASH_WINDOW_WIDE,
                 engine/window.py; a GPU's default)
+    conf=0|1    the draft's confidence chooses a drafted whole block's window (greedy, without
+                wide windows; DFLASH_WINDOW_CONFIDENCE, engine/window.py; off by default)
+    gap=N       the longest gap between probes while "auto" decodes plainly (VerifyWindow's
+                max_probe_gap, 128 as shipped): a rule's parameter tried before it is changed
     draft=DIR   another draft for the same target (loaded once per directory), e.g. a candidate
                 beside the bundled one
 Unset keys keep the loaded pair's defaults. `--baseline` adds mlx-lm's own decoding of the same
@@ -31,6 +35,7 @@ Prints each arm's paired ratio against the first arm (geometric mean over genera
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -41,9 +46,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 BASELINE = "mlx-lm"
-KEYS = ("cut", "window", "copy", "wide", "draft")
+KEYS = ("cut", "window", "copy", "wide", "conf", "gap", "draft")
 ENV_NOTED = ("MLX_CUDA_USE_CUDNN_SDPA", "DFLASH_VERIFY_ATTN", "DFLASH_PIPELINE", "DFLASH_BRANCHES",
-             "DFLASH_SHORT_BLOCK", "DFLASH_DRAFT_VOCAB", "DFLASH_WINDOW_WIDE")
+             "DFLASH_SHORT_BLOCK", "DFLASH_DRAFT_VOCAB", "DFLASH_WINDOW_WIDE", "DFLASH_WINDOW_CONFIDENCE")
 
 
 @dataclass
@@ -67,6 +72,8 @@ def parse_arm(spec: str) -> Arm:
             settings[key] = value if value in ("auto", "full") else _int(spec, value, 2)
         elif key == "cut":
             settings[key] = _int(spec, value, 0)
+        elif key == "gap":
+            settings[key] = _int(spec, value, 1)
         elif key == "draft":
             if not value:
                 raise ValueError(f"arm {spec!r}: draft= needs a directory")
@@ -115,23 +122,32 @@ def _generate(pair, arm: Arm | None, ids: list[int], max_tokens: int) -> tuple[l
 
     if arm is None:
         return run_baseline(pair, ids, max_tokens)
-    from dflash.engine.window import WIDE_ENV
+    import functools
+
+    from dflash.engine import generate as generate_mod
+    from dflash.engine.window import CONFIDENCE_ENV, WIDE_ENV, VerifyWindow
 
     drafter = arm.drafter or pair.drafter
-    saved, saved_env = drafter.short_max, os.environ.get(WIDE_ENV)
+    envs = {key: name for key, name in (("wide", WIDE_ENV), ("conf", CONFIDENCE_ENV))
+            if key in arm.settings}
+    saved, saved_env = drafter.short_max, {name: os.environ.get(name) for name in envs.values()}
     try:
         drafter.short_max = arm.settings.get("cut", saved)
-        if "wide" in arm.settings:
-            os.environ[WIDE_ENV] = "1" if arm.settings["wide"] else "0"
+        for key, name in envs.items():
+            os.environ[name] = "1" if arm.settings[key] else "0"
+        if "gap" in arm.settings:  # the loop builds its VerifyWindow by this module-level name
+            generate_mod.VerifyWindow = functools.partial(VerifyWindow, max_probe_gap=arm.settings["gap"])
         out, rec = run_dflash(pair, drafter, ids, max_tokens,
                               window=arm.settings.get("window", "auto"),
                               copy_draft=arm.settings.get("copy", True))
     finally:
+        generate_mod.VerifyWindow = VerifyWindow
         drafter.short_max = saved
-        if saved_env is None:
-            os.environ.pop(WIDE_ENV, None)
-        else:
-            os.environ[WIDE_ENV] = saved_env
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     eng = rec.get("engine_stats", {})
     rec.update(mean_verify_window=eng.get("mean_verify_window"), plain_steps=eng.get("plain_steps"))
     return out, rec
@@ -161,8 +177,11 @@ def run(pair, prompts: list[list[int]], arms: list[Arm], rounds: int, max_tokens
             for name in order:
                 got[name], rec = _generate(pair, by_name[name], ids, max_tokens)
                 res[name].append({"question": i, "round": r, "tokens": rec["generated_tokens"],
+                                  "ids_sha1": ids_digest(got[name]),
                                   **{k: rec.get(k) for k in ("decode_tps", "acceptance",
-                                     "tokens_per_cycle", "mean_verify_window", "plain_steps")}})
+                                     "tokens_per_cycle", "mean_verify_window", "plain_steps",
+                                     "cycles", "copy_cycles", "confidence_windows",
+                                     "run_ahead")}})
             for name in names[1:]:
                 same = got[name] == got[names[0]]
                 res[name][-1]["same_ids"] = same
@@ -178,9 +197,21 @@ def run(pair, prompts: list[list[int]], arms: list[Arm], rounds: int, max_tokens
     return res
 
 
-def paired(res: dict[str, list[dict]], arm: str, reference: str) -> dict[str, float]:
-    """Geometric mean of arm/reference decode tok/s over the paired generations, 95% interval."""
-    logs = [math.log(a["decode_tps"] / b["decode_tps"]) for a, b in zip(res[arm], res[reference])]
+def ids_digest(ids: list[int]) -> str:
+    """A short fingerprint of an answer's ids: which arms wrote the same text (bf16 near-ties)."""
+    return hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:12]
+
+
+def paired(res: dict[str, list[dict]], arm: str, reference: str,
+           same_text: bool = False) -> dict[str, float]:
+    """Geometric mean of arm/reference decode tok/s over the paired generations, 95% interval;
+    `same_text`: only the pairs whose answers are the same ids (arms that part at a bf16 near-tie
+    go on to decode different texts, and a text's predictability moves speed more than an arm)."""
+    pairs = [(a, b) for a, b in zip(res[arm], res[reference])
+             if not same_text or a.get("ids_sha1") == b.get("ids_sha1")]
+    if not pairs:
+        return {"n": 0, "ratio": float("nan"), "low": float("nan"), "high": float("nan")}
+    logs = [math.log(a["decode_tps"] / b["decode_tps"]) for a, b in pairs]
     m = statistics.mean(logs)
     se = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else float("nan")
     return {"n": len(logs), "ratio": math.exp(m), "low": math.exp(m - 1.96 * se),
@@ -197,6 +228,9 @@ def summary(res: dict[str, list[dict]]) -> dict[str, dict]:
             vals = [g[k] for g in gens if g.get(k) is not None]
             row[k] = statistics.mean(vals) if vals else None
         row["id_diffs"] = sum(not g.get("same_ids", True) for g in gens)
+        if row["id_diffs"]:  # the comparison on equal texts only, against the reference and each arm
+            row["same_text"] = {other: paired(res, name, other, same_text=True)
+                                for other in res if other != name}
         out[name] = row
     return out
 
@@ -252,6 +286,10 @@ def main() -> None:
               + (f", {row['tokens_per_cycle']:.2f} tokens a cycle, verify window "
                  f"{row['mean_verify_window']:.1f}" if row["tokens_per_cycle"] is not None else "")
               + (f", {row['id_diffs']} answers differ" if row["id_diffs"] else ""))
+        for other, st in row.get("same_text", {}).items():
+            if st["n"]:
+                print(f"{'':>12}on the same text as {other}: {st['ratio']:.3f}x of it "
+                      f"({st['low']:.3f}-{st['high']:.3f}, {st['n']} pairs)")
 
 
 if __name__ == "__main__":

@@ -29,24 +29,27 @@ def test_arms_parse_and_bad_specs_say_what_is_wrong():
     assert mod.parse_arm("plain").settings == {}
     assert mod.parse_arm("new:draft=/x/y,cut=4").settings == {"draft": "/x/y", "cut": 4}
     assert mod.parse_arm("narrow:wide=0").settings == {"wide": False}
+    assert mod.parse_arm("m:conf=0,wide=0").settings == {"conf": False, "wide": False}
+    assert mod.parse_arm("g:gap=32").settings == {"gap": 32}
     for bad, why in (("cut:cut=-1", "integer >= 0"), ("w:window=1", ">= 2"), ("x:rows=2", "not one of"),
                      (":cut=2", "NAME:KEY"), ("mlx-lm:cut=2", "NAME:KEY"), ("c:copy=2", "<= 1"),
-                     ("c:cut", "not one of"), ("d:draft=", "needs a directory")):
+                     ("c:cut", "not one of"), ("d:draft=", "needs a directory"), ("c:conf=3", "<= 1"), ("g:gap=0", ">= 1")):
         with pytest.raises(ValueError, match=why):
             mod.parse_arm(bad)
 
 
 def test_every_arm_answers_every_prompt_alike(pairs, monkeypatch):
     monkeypatch.delenv("DFLASH_WINDOW_WIDE", raising=False)
+    monkeypatch.delenv("DFLASH_WINDOW_CONFIDENCE", raising=False)
     mod = _module()
     pair = pairs("qwen3")
     before = pair.drafter.short_max
     prompts = [pair.tokenizer.encode(t) for t in ("The quick brown fox jumps", "def add(a, b):")]
-    arms = [mod.parse_arm(s) for s in ("whole:cut=0", "cut:cut=3", "w4:window=4,copy=0", "wide:wide=1")]
+    arms = [mod.parse_arm(s) for s in ("whole:cut=0", "cut:cut=3", "w4:window=4,copy=0", "wide:wide=1,conf=0,gap=16")]
     res = mod.run(pair, prompts, arms, rounds=2, max_tokens=24, baseline=True, warmup=1)
     assert pair.drafter.short_max == before  # restored
     assert list(res) == ["mlx-lm", "whole", "cut", "w4", "wide"]
-    assert "DFLASH_WINDOW_WIDE" not in os.environ  # each arm's setting is undone
+    assert "DFLASH_WINDOW_WIDE" not in os.environ and "DFLASH_WINDOW_CONFIDENCE" not in os.environ  # undone
     assert [r["question"] for r in res["cut"]] == [0, 1, 0, 1]
     assert all(r["tokens"] > 0 and r["decode_tps"] > 0 for arm in res.values() for r in arm)
     assert all(r["same_ids"] for name in ("whole", "cut", "w4", "wide") for r in res[name])
@@ -91,3 +94,23 @@ def test_an_arm_can_bring_its_own_draft(pairs, tmp_path):
     res = mod.run(pair, [pair.tokenizer.encode("The quick brown fox")], arms, rounds=1, max_tokens=16)
     assert arms[1].drafter.short_max == before
     assert all(r["same_ids"] for name in ("other", "other-whole") for r in res[name])
+
+
+def test_a_gap_arm_sets_the_probe_gap_for_its_own_generations_only(pairs, monkeypatch):
+    from dflash.engine import generate as generate_mod
+    from dflash.engine import window as window_mod
+
+    mod = _module()
+    pair = pairs("qwen3")
+    gaps = []
+    real_init = window_mod.VerifyWindow.__init__
+
+    def spy(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        gaps.append(self.max_probe_gap)
+
+    monkeypatch.setattr(window_mod.VerifyWindow, "__init__", spy)
+    ids = pair.tokenizer.encode("The quick brown fox jumps")
+    for spec in ("g:gap=16", "plain"):
+        mod._generate(pair, mod.parse_arm(spec), ids, 8)
+    assert gaps == [16, 128] and generate_mod.VerifyWindow is window_mod.VerifyWindow
