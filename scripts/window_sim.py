@@ -2,7 +2,8 @@
 
     python scripts/window_sim.py trace --model models/SmolLM2-135M-Instruct --heldout 11 \
         --max-tokens 256 --out trace.json          # CPU, minutes: the draft at every position
-    python scripts/window_sim.py sim --trace trace.json [--slope 0.055 --d 0.6]
+    python scripts/window_sim.py sim --trace trace.json --slope 0 --d 2.2   # the H200's measured cycle
+    python scripts/window_sim.py sim --trace trace.json --cpu --d 0.35 --short-max 2   # this CPU
 
 Why: on a bf16 GPU every arm of an A/B parts from mlx-lm's text at some near-tie and goes on
 decoding a different text (session 19: 25-26 of 32 answers per arm), and a text's predictability
@@ -10,11 +11,16 @@ moves speed more than any window rule, so a GPU A/B of rules compares texts as m
 Here the text is fixed: `trace` decodes each prompt greedily with mlx-lm (fp32), then runs the
 draft once at EVERY answer position (the anchor there, the target's features of everything
 before it as context) and records a(t), how many of its 15 proposals match the text that
-follows. Any cycle the engine could run at position t, window k, accepts min(a(t), k-1) drafts.
+follows (with the draft's probability of each proposal, `confidence`, and the target's of each
+answer token, `target_p`). Any cycle the engine could run at position t, window k, accepts
+min(a(t), k-1) drafts.
 
 `sim` drives engine/window.py's own VerifyWindow (the shipped code, not a model of it) over those
 traces with a clock in decode steps: a plain step costs 1, a draft cycle of window k costs
-v(k) + d (v linear, 1 + slope*(k-1), as a GPU; or --cpu for the CPU's table), and reports
+v(k) + d (v linear, 1 + slope*(k-1), as a GPU; or --cpu for the CPU's table; slope 0: every
+draft cycle 1 + d, as session 19 measured a 135M target's on the H200, ~3.2 steps), while the
+policy starts from the engine's own priors (the GPU's or the CPU's; --prior C,D another linear
+one) and measures d as the engine does, from the clock. It reports
 tokens per step-time for each policy: auto (wide), auto (narrow: the per-token model's window),
 the whole block every cycle, fixed windows, and the oracle that drafts exactly where a(t) pays.
 Copy drafting is left out (the trace holds the model draft only). Lossless by construction: the
@@ -111,22 +117,25 @@ def _propose_with_confidence(drafter, anchor: int, pos: int) -> tuple[list[int],
 
 def simulate(acc: list[int], policy: str | int, wide: bool = True, slope: float | None = 0.055,
              d: float = 0.6, cpu: bool = False, confidence: list[list[float]] | None = None,
-             short_max: int = 0) -> dict:
+             short_max: int = 0, prior: str | None = None) -> dict:
     """One answer under one VerifyWindow policy ("auto", "full" or k): the cycles after the first
     answer token (the prefill's), each at anchor position pos taking min(a(pos), k-1) drafts.
     `confidence` (the trace's): where the policy drafts the whole block to let the draft's
     confidence choose the window (window.py), it does; `short_max`: windows up to it draft a
-    block cut to k rows, at half the draft's cost (SHORT_D_PRIOR)."""
-    from dflash.engine.window import SHORT_D_PRIOR, VerifyWindow
+    block cut to k rows, at half the draft's cost (SHORT_D_PRIOR). `prior` ("c,d"): the
+    window's verify-cost prior (default: the engine's own for the GPU, or the CPU's table)."""
+    from dflash.engine.window import DEFAULT_COSTS, SHORT_D_PRIOR, VerifyWindow
 
     saved = {k: os.environ.get(k) for k in ("DFLASH_WINDOW_WIDE", "DFLASH_VERIFY_COST",
                                              "DFLASH_WINDOW_CONFIDENCE")}
     os.environ["DFLASH_WINDOW_WIDE"] = "1" if wide else "0"
     os.environ["DFLASH_WINDOW_CONFIDENCE"] = "1" if confidence else "0"
-    if cpu:
+    if prior:
+        os.environ["DFLASH_VERIFY_COST"] = prior
+    elif cpu:  # this machine is a CPU: the engine's CPU table is the default prior
         os.environ.pop("DFLASH_VERIFY_COST", None)
     else:
-        os.environ["DFLASH_VERIFY_COST"] = f"{slope},{d}"
+        os.environ["DFLASH_VERIFY_COST"] = ",".join(str(x) for x in DEFAULT_COSTS["gpu"])
     try:
         w = VerifyWindow(16, policy, short_max=short_max)
     finally:
@@ -189,6 +198,7 @@ def main() -> None:
     s.add_argument("--d", type=float, default=0.6, help="a draft cycle's cost beyond its verify, steps")
     s.add_argument("--cpu", action="store_true", help="the CPU's verify-cost table instead")
     s.add_argument("--short-max", type=int, default=0, help="windows up to this draft a cut block")
+    s.add_argument("--prior", default=None, help="the window's verify-cost prior C,D (default: the engine's)")
     s.add_argument("--policies", default="auto-wide,auto-narrow,auto-conf,full,8,4,oracle",
                    help="auto-wide, auto-narrow (the model's window), auto-conf (the model's window, "
                         "re-chosen by the draft's confidence), full, a window k, oracle")
@@ -207,7 +217,8 @@ def main() -> None:
             else:
                 name = "auto" if pol.startswith("auto") else pol if pol == "full" else int(pol)
                 r = simulate(t["accepted"], name, pol == "auto-wide", a.slope, a.d, a.cpu,
-                             t.get("confidence") if pol == "auto-conf" else None, a.short_max)
+                             t.get("confidence") if pol == "auto-conf" else None, a.short_max,
+                             a.prior)
             speeds.append(r["tokens"] / r["time"])  # tokens per plain-step time: the speedup
             plains += r["plain"] or 0
         gm = statistics.geometric_mean(speeds)
