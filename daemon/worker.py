@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import inspect
 import logging
 import os
 import secrets
@@ -502,7 +501,7 @@ def _pair_notes(pair: Any) -> str:
     try:
         if wide_windows():
             notes += "; wide verify windows (the whole block or a plain step, by measurement)"
-        elif confidence_windows() and "confidence" in inspect.signature(pair.drafter.propose).parameters:
+        elif confidence_windows():
             notes += "; greedy verify windows chosen by the draft's confidence"
     except ValueError as e:  # a bad DFLASH_WINDOW_WIDE/_CONFIDENCE: said here, refused by each generation
         notes += f"; {e}"

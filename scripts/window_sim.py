@@ -30,6 +30,7 @@ emitted text is the trace's.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -76,11 +77,13 @@ def trace_answers(pair, drafter, prompts: list[list[int]], max_tokens: int,
         drafter.reset()
         P, acc = len(ids), []
         drafter.add_context(feats[:, :P])  # the anchor at P (the first answer token) sees the prompt
-        conf = []  # the draft's probability of each proposal (model drafts only)
+        conf = []  # the draft's probability of each proposal (drafters that give it)
+        confident = "confidence" in inspect.signature(drafter.propose).parameters
         for a in range(P, len(text) - 1):
-            if hasattr(drafter, "draft"):
-                prop, c = _propose_with_confidence(drafter, text[a], a)
-                conf.append(c)
+            if confident:
+                ids_a, p_a = drafter.propose(mx.array(text[a]), a, confidence=True)
+                prop = ids_a.tolist()
+                conf.append([round(x, 4) for x in p_a.tolist()])
             else:
                 prop = drafter.propose(mx.array(text[a]), a).tolist()
             follow = text[a + 1 : a + 1 + len(prop)]
@@ -95,24 +98,6 @@ def trace_answers(pair, drafter, prompts: list[list[int]], max_tokens: int,
         log(f"question {qi}: {len(answer)} tokens, mean a(t) {statistics.mean(acc or [0]):.2f}, "
             f"{time.perf_counter() - t0:.0f} s")
     return out
-
-
-def _propose_with_confidence(drafter, anchor: int, pos: int) -> tuple[list[int], list[float]]:
-    """A DFlashDrafter's whole-block proposal at `pos` and the draft's softmax probability of
-    each proposed token (what a confidence-chosen window would read)."""
-    import mlx.core as mx
-
-    from dflash.engine import verifyattn
-
-    block = mx.concatenate([mx.array([anchor], dtype=mx.int32), drafter._masks])[None]
-    with verifyattn.active():
-        h = drafter.draft(drafter.target.embed(block), pos, drafter.cache)
-    logits = (drafter.target.lm_head if drafter.head is None else drafter.head)(h[:, 1:])[0]
-    probs = mx.softmax(logits.astype(mx.float32), axis=-1)
-    best = mx.argmax(logits, axis=-1)
-    top = mx.take_along_axis(probs, best[:, None], axis=-1)[:, 0]
-    ids = best if drafter.head is None else drafter.head.token_ids(best)
-    return ids.tolist(), [round(x, 4) for x in top.tolist()]
 
 
 def simulate(acc: list[int], policy: str | int, wide: bool = True, slope: float | None = 0.055,
