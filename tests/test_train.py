@@ -343,13 +343,54 @@ def test_a_grown_draft_proposes_what_it_did_and_trains_on(looping: Path, loop_da
     assert load_draft(b).config.num_hidden_layers == old.config.num_hidden_layers + 2
     trainer = json.loads((b / "checkpoint" / "trainer.json").read_text())
     assert trainer["schedule"]["rewarmup_from"] == 20
-    with pytest.raises(ValueError, match="--grow-layers / --grow-mlp need"):
+    with pytest.raises(ValueError, match="--grow-layers / --grow-mlp / --grow-taps need"):
         train_draft(_opts(looping, tmp_path / "c", loop_data, grow_layers=1), log=lambda s: None)
     w = tmp_path / "w"
     sw = train_draft(_opts(looping, w, loop_data, resume=str(a / "checkpoint"), max_steps=4,
                            grow_mlp=2 * old.config.intermediate_size, rewarmup_steps=2), log=lambda s: None)
     assert sw["steps"] == 24 and _log(w)[0]["loss"] < 1.5 * la[-1]["loss"] + 0.05
     assert load_draft(w).config.intermediate_size == 2 * old.config.intermediate_size
+
+
+def test_grown_taps_read_the_same_context_and_train_on(looping: Path, loop_data: Path, tmp_path: Path):
+    """--grow-taps: the new target layers' features enter fc through zero columns, each old
+    layer's block moved to its slot in layer order, so the grown draft projects exactly the
+    context it did from the same forward; it trains on from the same step, loss not reset, and
+    saves and loads with the wider capture."""
+    from mlx_lm import load as mlx_load
+
+    from dflash.engine.training.grow import grow
+
+    a = tmp_path / "a"
+    train_draft(_opts(looping, a, loop_data, total_steps=30, max_steps=12), log=lambda s: None)
+    old = ck.load_draft_any(a / "checkpoint", mx.float32)
+    ids = list(old.config.target_layer_ids)
+    extra = [i for i in range(old.config.num_target_layers) if i not in ids]
+    assert extra, "the tiny target has a layer the draft does not read"
+    new = grow(old, taps=extra)
+    assert new.config.target_layer_ids == sorted(ids + extra)
+    assert new.fc.weight.shape[1] == old.fc.weight.shape[1] // len(ids) * len(new.config.target_layer_ids)
+    model, _ = mlx_load(str(looping))
+    tokens = mx.array([[5, 17, 42, 9, 33, 7, 21, 64]])
+    _, f_old = TargetModel(model, ids).capture(lambda: model(tokens))
+    _, f_new = TargetModel(model, new.config.target_layer_ids).capture(lambda: model(tokens))
+    ctx_old, ctx_new = old.project(f_old), new.project(f_new)
+    assert mx.allclose(ctx_new, ctx_old, atol=1e-5).item()
+    block = mx.random.normal((1, old.config.block_size, old.config.hidden_size), key=mx.random.key(4))
+    assert mx.allclose(new(block, 8, None, ctx_new), old(block, 8, None, ctx_old), atol=1e-4).item()
+    with pytest.raises(ValueError, match="already captured"):
+        grow(old, taps=[ids[0]])
+    with pytest.raises(ValueError, match="out of range"):
+        grow(old, taps=[old.config.num_target_layers])
+
+    b = tmp_path / "b"
+    sb = train_draft(_opts(looping, b, loop_data, resume=str(a / "checkpoint"), max_steps=6,
+                           grow_taps=extra, rewarmup_steps=3), log=lambda s: None)
+    la, lb = _log(a), _log(b)
+    assert sb["steps"] == 18 and lb[0]["loss"] < 1.5 * la[-1]["loss"] + 0.05
+    assert load_draft(b).config.target_layer_ids == sorted(ids + extra)
+    with pytest.raises(ValueError, match="--grow-taps need"):
+        train_draft(_opts(looping, tmp_path / "c", loop_data, grow_taps=extra), log=lambda s: None)
 
 
 def test_checkpoint_parts_are_small_and_load_back(tmp_path: Path):

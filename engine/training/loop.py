@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -134,6 +134,7 @@ class TrainOptions:
     rewarmup_steps: int = 200
     grow_layers: int = 0  # with --resume / --init-draft: append this many identity layers (grow.py)
     grow_mlp: int = 0  # with --resume / --init-draft: widen every MLP to this intermediate size (grow.py)
+    grow_taps: list[int] = field(default_factory=list)  # with --resume / --init-draft: capture these target layers too
     restart_lr: float | None = None  # on --resume: a warm restart, a new cosine from this lr
     # the step
     gamma: float | None = None
@@ -253,14 +254,17 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
         mask_id = opts.mask_token_id if opts.mask_token_id is not None else pick_mask_token(tokenizer)
         draft = DFlashDraft(draft_config_for(probe, opts.layers, opts.block_size, mask_id,
                                              opts.layer_ids, opts.num_capture))
-    if opts.grow_layers or opts.grow_mlp:
+    if opts.grow_layers or opts.grow_mlp or opts.grow_taps:
         if not (opts.resume or opts.init_draft):
-            raise ValueError("--grow-layers / --grow-mlp need a trained draft to grow (--resume or --init-draft)")
+            raise ValueError("--grow-layers / --grow-mlp / --grow-taps need a trained draft to grow "
+                             "(--resume or --init-draft)")
         n_old, w_old = draft.config.num_hidden_layers, draft.config.intermediate_size
-        draft = grow(draft, opts.grow_layers, opts.grow_mlp or None)
+        taps_old = list(draft.config.target_layer_ids)
+        draft = grow(draft, opts.grow_layers, opts.grow_mlp or None, opts.grow_taps)
         saved_opt = None  # the moments and masters of the old shape: re-warm-up instead
         say(f"[train] grown: {n_old} -> {draft.config.num_hidden_layers} layers, MLP {w_old} -> "
-            f"{draft.config.intermediate_size} (the new parts start as the identity: same proposals as before)")
+            f"{draft.config.intermediate_size}, capture {taps_old} -> {draft.config.target_layer_ids} "
+            "(the new parts start as the identity: same proposals as before)")
     cfg = draft.config
     if opts.short_block_frac > 0:  # inference may cut blocks this short (drafters.short_block_max)
         dc = cfg.extra.setdefault("dflash_config", {})
@@ -552,6 +556,12 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
 def _cli():
     import click
 
+    def _layer_list(ctx, param, value: str) -> list[int]:
+        try:
+            return [int(x) for x in value.split(",") if x.strip()]
+        except ValueError:
+            raise click.BadParameter(f"expected layer numbers separated by commas, got {value!r}") from None
+
     @click.command("train-draft")
     @click.option("--target", required=True, help="Target model directory (mlx-lm format).")
     @click.option("--out", required=True, help="Output folder: draft (published format), checkpoint/, logs, README.md.")
@@ -568,6 +578,7 @@ def _cli():
     @click.option("--time-budget-s", default=None, type=float, help="Stop THIS session after this much training time (compile steps not counted).")
     @click.option("--compile-steps", default=2, show_default=True, help="First steps timed apart (trace + kernel JIT), before the budget clock.")
     @click.option("--grow-mlp", default=0, show_default=True, type=click.IntRange(0), help="With --resume or --init-draft: widen every MLP to this intermediate size (the new down_proj columns zero: same proposals; engine/training/grow.py); the optimiser re-warms up.")
+    @click.option("--grow-taps", default="", callback=_layer_list, help="With --resume or --init-draft: also capture these target layers (comma-separated), fc's new columns zero: same proposals (engine/training/grow.py); the optimiser re-warms up.")
     @click.option("--grow-layers", default=0, show_default=True, type=click.IntRange(0), help="With --resume or --init-draft: append this many layers that start as the identity (output projections zero; engine/training/grow.py); the optimiser re-warms up.")
     @click.option("--rewarmup-steps", default=200, show_default=True, help="On --resume without optimiser moments: lr ramps from 0 over this many steps.")
     @click.option("--restart-lr", default=None, type=click.FloatRange(min=0, min_open=True), help="With --resume and --total-steps: a warm restart, a new cosine from this lr at the resume step to the new total.")

@@ -1,0 +1,200 @@
+"""Where a DFlash cycle's time goes on a host-bound device: host phases against the one wait.
+
+    python scripts/cycle_profile.py --model MODEL --draft DRAFT [--heldout 11] [--out cp.json]
+
+On the H200 a draft cycle of the 135M default pair costs ~3.2 plain-step times whatever its
+window (session 19), while its two forwards, synced one by one, add up to ~2.5 (session 14's
+host probe): so part of a cycle is neither forward. This runs the engine's own loop
+(engine/generate.py, unchanged) with timers around each thing the loop does on the host: the
+draft's graph (propose, add_context), the verify's (built and queued), the window and copy
+lookup, the rewind, handing out text (push / drain), and the one host read of the cycle
+(`summary.tolist()`, the only wait for the device). The sum of the host phases against the wait
+says whether the device or the host sets the cycle's pace, and which phase to make cheaper.
+mlx-lm's own decode loop on the same prompts gives the plain-step time the phases are counted in.
+Each prompt is decoded once unmeasured first (warm-up), so cache lengths are revisited: these are
+shares of a cycle, not first-time-length speeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from dflash.engine import generate as gen
+from dflash.engine import lookup, rollback, window
+from dflash.engine.benchmark import hardware_info, versions
+from dflash.engine.benchsetup import CHAT_QUESTIONS
+from dflash.engine.loading import load_pair
+from dflash.engine.prompting import build_prompt, prompt_lines
+
+TIMES: dict[str, float] = defaultdict(float)
+CALLS: dict[str, int] = defaultdict(int)
+
+
+def timed(name: str, fn: Callable) -> Callable:
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TIMES[name] += time.perf_counter() - t0
+            CALLS[name] += 1
+
+    wrapper.__signature__ = __import__("inspect").signature(fn)  # the loop inspects propose()
+    return wrapper
+
+
+class _TimedSummary:
+    """Stands in for a Verified's summary array: its tolist() is the cycle's wait."""
+
+    def __init__(self, arr: mx.array):
+        self.arr = arr
+
+    def tolist(self) -> list[int]:
+        t0 = time.perf_counter()
+        out = self.arr.tolist()
+        TIMES["wait (summary read)"] += time.perf_counter() - t0
+        CALLS["wait (summary read)"] += 1
+        return out
+
+
+def install(drafter: Any) -> None:
+    """Timers on the loop's host phases (module attributes the loop looks up at call time)."""
+    verify = gen.verify
+
+    def timed_verify(*args, **kwargs):
+        t0 = time.perf_counter()
+        cyc = verify(*args, **kwargs)
+        plain = cyc.block_len == 1
+        name = "verify build (plain step)" if plain else "verify build (draft cycle)"
+        TIMES[name] += time.perf_counter() - t0
+        CALLS[name] += 1
+        cyc.summary = _TimedSummary(cyc.summary)
+        return cyc
+
+    gen.verify = timed_verify
+    rollback.rewind = timed("rewind", rollback.rewind)
+    window.VerifyWindow.plan = timed("window plan", window.VerifyWindow.plan)
+    window.VerifyWindow.observe = timed("window observe", window.VerifyWindow.observe)
+    lookup.CopyProposer.propose = timed("copy lookup", lookup.CopyProposer.propose)
+    lookup.CopyProposer.extend = timed("copy extend", lookup.CopyProposer.extend)
+    gen._Output.push = timed("push (detokenize)", gen._Output.push)
+    gen._Output.drain = timed("drain", gen._Output.drain)
+    drafter.propose = timed("draft build (propose)", drafter.propose)
+    drafter.add_context = timed("draft context (add_context)", drafter.add_context)
+    drafter.trim = timed("draft trim", drafter.trim)
+
+
+def baseline_step_s(pair: Any, ids: list[int], max_tokens: int) -> float:
+    """mlx-lm's decode loop: seconds a token after the first."""
+    from mlx_lm.generate import generate_step
+
+    t1 = None
+    n = 0
+    for (tok, _), i in zip(generate_step(mx.array(ids), pair.target.model, max_tokens=max_tokens),
+                           range(max_tokens)):
+        n += 1
+        if i == 0:
+            t1 = time.perf_counter()
+    return (time.perf_counter() - t1) / max(n - 1, 1)
+
+
+def run(pair: Any, ids: list[int], max_tokens: int, verify_window: str) -> tuple[gen.GenerationStats, float]:
+    """(stats, decode seconds): from the first token handed out (prefill and the first token
+    are before any cycle) to the end."""
+    stats, t_first = None, None
+    for ev in gen.stream_dflash_generate(pair.target, pair.drafter, pair.tokenizer, ids, max_tokens,
+                                         verify_window=verify_window):
+        if t_first is None:
+            t_first = time.perf_counter()
+        if isinstance(ev, gen.Finished):
+            stats = ev.stats
+    return stats, time.perf_counter() - t_first
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--heldout", type=int, default=11, help="held-out prompts after the 5 chat questions")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--window", default="auto", help="verify window for the profiled runs (auto, full, N)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+
+    pair = load_pair(a.model, a.draft, dtype=a.dtype)
+    here = Path(__file__).resolve().parent.parent
+    held = [q for _, q in prompt_lines((here / "engine/training/heldout_prompts.jsonl").read_text())]
+    questions = CHAT_QUESTIONS + held[: a.heldout]
+    prompts = [build_prompt(pair.tokenizer, q) for q in questions]
+    steps = []
+    for ids in prompts:  # warm-up, then mlx-lm's step time on each prompt
+        baseline_step_s(pair, ids, 16)
+        run(pair, ids, 16, a.window)
+        run(pair, ids, a.max_tokens, a.window)
+        steps.append(baseline_step_s(pair, ids, a.max_tokens))
+    step_s = statistics.median(steps)
+    install(pair.drafter)
+    per_prompt = []
+    t_all = 0.0
+    agg = defaultdict(int)
+    totals: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for ids in prompts:
+        TIMES.clear()
+        CALLS.clear()  # the prefill's draft context is not a cycle's: count from the first token
+        s, dt = run(pair, ids, a.max_tokens, a.window)
+        t_all += dt
+        for k, v in TIMES.items():
+            totals[k] += v
+            counts[k] += CALLS[k]
+        for k in ("generated_tokens", "cycles", "plain_steps", "accepted_drafts", "copy_cycles", "run_ahead"):
+            agg[k] += getattr(s, k)
+        per_prompt.append({"tokens": s.generated_tokens, "cycles": s.cycles, "plain": s.plain_steps,
+                           "decode_tps": round(s.decode_tps, 2), "tokens_per_cycle": round(s.tokens_per_cycle, 3)})
+    cycles = max(agg["cycles"], 1)
+    phases = {k: {"ms_total": round(v * 1e3, 2), "calls": counts[k],
+                  "ms_per_cycle": round(v * 1e3 / cycles, 4),
+                  "steps_per_cycle": round(v / cycles / step_s, 4)}
+              for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+    accounted = sum(totals.values())
+    result = {
+        "what": "host phases of engine/generate.py's loop, timed in place; the wait is the cycle's one host read",
+        "measured": "each prompt decoded once before (warm-up): cache lengths revisited, not first-time lengths",
+        "args": vars(a),
+        "plain_step_ms_mlx_lm": round(step_s * 1e3, 3),
+        "plain_step_ms_per_prompt": [round(x * 1e3, 3) for x in steps],
+        "totals": dict(agg),
+        "decode_s": round(t_all, 3),
+        "ms_per_cycle": round(t_all * 1e3 / cycles, 3),
+        "steps_per_cycle": round(t_all / cycles / step_s, 3),
+        "tokens_per_s": round(agg["generated_tokens"] / t_all, 2),
+        "speedup_vs_mlx_lm_est": round(agg["generated_tokens"] / t_all * step_s, 3),
+        "unaccounted_ms_per_cycle": round((t_all - accounted) * 1e3 / cycles, 4),
+        "phases": phases,
+        "per_prompt": per_prompt,
+        "machine": hardware_info(),
+        "versions": versions(),
+    }
+    w = sys.stdout.write
+    w(f"mlx-lm step {step_s * 1e3:.2f} ms | {cycles} cycles ({agg['plain_steps']} plain), "
+      f"{t_all * 1e3 / cycles:.2f} ms a cycle = {t_all / cycles / step_s:.2f} steps, "
+      f"{agg['generated_tokens'] / t_all:.1f} tok/s (~{agg['generated_tokens'] / t_all * step_s:.2f}x est.)\n")
+    for k, v in phases.items():
+        w(f"  {k:32s} {v['ms_per_cycle']:8.3f} ms/cycle  {v['steps_per_cycle']:6.3f} steps  ({v['calls']} calls)\n")
+    w(f"  {'(not in a timed phase)':32s} {result['unaccounted_ms_per_cycle']:8.3f} ms/cycle\n")
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
