@@ -16,7 +16,7 @@ from typing import Any, Protocol, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from . import branches
+from . import branches, cpufast
 from . import sampling as sampling_mod
 from . import verifyattn
 from .draft import DFlashDraft
@@ -110,6 +110,7 @@ class DFlashDrafter:
         self._masks = mx.full((self.block_size - 1,), draft.config.mask_token_id, mx.int32)
         self.short_max = min(short_block_max(draft.config), self.block_size - 1)
         self.cache: list[KVCache] = draft.make_cache()
+        cpufast.install(draft)  # its RoPEs and RMSNorms in fewer CPU kernels, same bits
 
     def reset(self, positioned: bool = False) -> None:
         if positioned:
@@ -126,7 +127,8 @@ class DFlashDrafter:
         return self.cache[0].offset
 
     def add_context(self, features: mx.array) -> None:
-        self.draft.add_context(features.astype(self.draft.fc.weight.dtype), self.cache)
+        with cpufast.active():
+            self.draft.add_context(features.astype(self.draft.fc.weight.dtype), self.cache)
 
     def trim(self, rows: int) -> None:
         for c in self.cache:
@@ -147,7 +149,8 @@ class DFlashDrafter:
             )
         masks = self._masks if count is None or count + 1 > self.short_max else self._masks[:count]
         block = mx.concatenate([anchor.reshape(1).astype(mx.int32), masks])[None]
-        with verifyattn.active():  # the block's 16 queries over the context: fewq's kernel on CUDA
+        # the block's 16 queries over the context: fewq's kernel on CUDA; cpufast.py on a CPU
+        with verifyattn.active(), cpufast.active():
             h = self.draft(self.target.embed(block), anchor_pos, self.cache)
         hidden = h[:, 1 : 1 + (self.block_size - 1 if count is None else count)]
         logits = (self.target.lm_head if self.head is None else self.head)(hidden)[0]

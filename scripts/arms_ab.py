@@ -16,6 +16,8 @@ arm is NAME:KEY=VALUE,...; the keys:
                 wide windows; DFLASH_WINDOW_CONFIDENCE, engine/window.py; off by default)
     gap=N       the longest gap between probes while "auto" decodes plainly (VerifyWindow's
                 max_probe_gap, 128 as shipped): a rule's parameter tried before it is changed
+    fast=0|1    RoPE and RMSNorm in fewer CPU kernels (engine/cpufast.py, on by default on a CPU;
+                the same bits either way, only the speed differs)
     draft=DIR   another draft for the same target (loaded once per directory), e.g. a candidate
                 beside the bundled one
 Unset keys keep the loaded pair's defaults. `--baseline` adds mlx-lm's own decoding of the same
@@ -46,7 +48,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 BASELINE = "mlx-lm"
-KEYS = ("cut", "window", "copy", "wide", "conf", "gap", "draft")
+KEYS = ("cut", "window", "copy", "wide", "conf", "gap", "fast", "draft")
 ENV_NOTED = ("MLX_CUDA_USE_CUDNN_SDPA", "DFLASH_VERIFY_ATTN", "DFLASH_PIPELINE", "DFLASH_BRANCHES",
              "DFLASH_SHORT_BLOCK", "DFLASH_DRAFT_VOCAB", "DFLASH_WINDOW_WIDE", "DFLASH_WINDOW_CONFIDENCE")
 
@@ -124,6 +126,7 @@ def _generate(pair, arm: Arm | None, ids: list[int], max_tokens: int) -> tuple[l
         return run_baseline(pair, ids, max_tokens)
     import functools
 
+    from dflash.engine import cpufast
     from dflash.engine import generate as generate_mod
     from dflash.engine.window import CONFIDENCE_ENV, WIDE_ENV, VerifyWindow
 
@@ -135,6 +138,7 @@ def _generate(pair, arm: Arm | None, ids: list[int], max_tokens: int) -> tuple[l
         drafter.short_max = arm.settings.get("cut", saved)
         for key, name in envs.items():
             os.environ[name] = "1" if arm.settings[key] else "0"
+        cpufast.ON = arm.settings.get("fast", True)
         if "gap" in arm.settings:  # the loop builds its VerifyWindow by this module-level name
             generate_mod.VerifyWindow = functools.partial(VerifyWindow, max_probe_gap=arm.settings["gap"])
         out, rec = run_dflash(pair, drafter, ids, max_tokens,
@@ -142,6 +146,7 @@ def _generate(pair, arm: Arm | None, ids: list[int], max_tokens: int) -> tuple[l
                               copy_draft=arm.settings.get("copy", True))
     finally:
         generate_mod.VerifyWindow = VerifyWindow
+        cpufast.ON = True
         drafter.short_max = saved
         for name, value in saved_env.items():
             if value is None:

@@ -31,9 +31,10 @@ def test_arms_parse_and_bad_specs_say_what_is_wrong():
     assert mod.parse_arm("narrow:wide=0").settings == {"wide": False}
     assert mod.parse_arm("m:conf=0,wide=0").settings == {"conf": False, "wide": False}
     assert mod.parse_arm("g:gap=32").settings == {"gap": 32}
+    assert mod.parse_arm("s:fast=0").settings == {"fast": False}
     for bad, why in (("cut:cut=-1", "integer >= 0"), ("w:window=1", ">= 2"), ("x:rows=2", "not one of"),
                      (":cut=2", "NAME:KEY"), ("mlx-lm:cut=2", "NAME:KEY"), ("c:copy=2", "<= 1"),
-                     ("c:cut", "not one of"), ("d:draft=", "needs a directory"), ("c:conf=3", "<= 1"), ("g:gap=0", ">= 1")):
+                     ("c:cut", "not one of"), ("d:draft=", "needs a directory"), ("c:conf=3", "<= 1"), ("g:gap=0", ">= 1"), ("f:fast=2", "<= 1")):
         with pytest.raises(ValueError, match=why):
             mod.parse_arm(bad)
 
