@@ -489,11 +489,14 @@ def _job_row(job: Job, jobs: JobQueue) -> dict[str, Any]:
 
 def _pair_notes(pair: Any) -> str:
     """The loaded pair's speed settings for the status line: few-row padding (engine/rowpad.py),
+    RoPE / RMSNorm in fewer CPU kernels (engine/cpufast.py),
     draft rows per verify (engine/branches.py), cut draft blocks (engine/drafters.py), wide
     or confidence-chosen verify windows (engine/window.py) and the draft's proposal vocabulary (engine/draftvocab.py)."""
     if pair is None:
         return ""
     notes = "; few-row products padded" if pair.target.row_padding else ""
+    if getattr(pair.target, "cpu_fast", 0):
+        notes += "; RoPE and RMSNorm in fewer CPU kernels"
     if pair.target.branches > 1:
         notes += f"; {pair.target.branches} draft rows a greedy verify"
     if pair.drafter.short_max:

@@ -609,6 +609,11 @@ def method(cfg: BenchConfig, setup: Setup, runs: list[dict], first_time_used: bo
                         "what": "dflash's target forwards pad few-row products to the row count "
                                 "the BLAS does fastest, per weight shape (plan: rows -> padded "
                                 "rows; engine/rowpad.py); mlx-lm's baseline runs the model unpadded"},
+        # engine/cpufast.py: RoPE / RMSNorm modules of the target on the CPU path (same bits)
+        "cpu_fast": {"dflash": setup.target.cpu_fast, "baseline": 0,
+                     "what": "dflash's own forwards run RoPE from per-forward tables and RMSNorm in "
+                             "two kernels on a CPU, bit for bit MLX's; mlx-lm's baseline runs "
+                             "MLX's ops"},
         "draft_vocab": (len(setup.draft_vocab) if setup.draft_vocab else None),  # engine/draftvocab.py: None = all
         # engine/drafters.py: windows up to this many tokens draft from a cut block (0: never)
         "short_block_max": (short_block_max(setup.draft_model.config)

@@ -127,6 +127,10 @@ def test_the_workers_status_line_says_whether_rows_are_padded(tiny_dirs, monkeyp
     from dflash.daemon.worker import _pair_notes
 
     assert _pair_notes(None) == ""  # still loading
+    monkeypatch.setenv("DFLASH_CPU_FAST", "0")
     for forced, want in (("1", "; few-row products padded"), ("0", "")):
         monkeypatch.setenv(rowpad.ENV, forced)
         assert _pair_notes(load_pair(tiny_dirs["qwen3"], tiny_dirs["qwen3"] / "draft")) == want
+    monkeypatch.setenv("DFLASH_CPU_FAST", "1")  # engine/cpufast.py, the CPU's default
+    assert _pair_notes(load_pair(tiny_dirs["qwen3"], tiny_dirs["qwen3"] / "draft")) == \
+        "; RoPE and RMSNorm in fewer CPU kernels"
