@@ -86,9 +86,11 @@ def rope(x: mx.array, offset: int, dims: int, base: float, scale: float) -> mx.a
     """Non-traditional RoPE of x [..., rows, features] at positions offset.., the first `dims`
     features rotated, from the forward's shared tables."""
     key = (x.shape[-2], offset, dims, base, scale)
-    tab = _TABLES.get(key)
-    if tab is None:
-        tab = _TABLES[key] = tables(*key)
+    tab = _TABLES.get(key) if _TABLES is not None else None
+    if tab is None:  # the first layer of a forward (outside active(): nothing is shared)
+        tab = tables(*key)
+        if _TABLES is not None:
+            _TABLES[key] = tab
     half = dims // 2
     head = x if x.shape[-1] == dims else x[..., :dims]
     swapped = mx.concatenate([head[..., half:], head[..., :half]], axis=-1)
