@@ -15,7 +15,8 @@ Same maths in the same order (a - b*s is a + b*(-s), a sum commutes), so the res
 MLX's bit for bit (tests/test_cpufast.py checks it over offsets, shapes and dtypes it takes).
 Only float32, plain `nn.RoPE` (not traditional; int offsets) and `nn.RMSNorm`; anything else,
 and any call outside `active()` (mlx-lm's own decoding of the same model object), goes to
-MLX as before. `install` swaps those modules' classes for subclasses (same instance, same
+MLX as before; and none of it runs where this MLX's own ops would give other bits (checked once
+per process, `agrees_with_mlx`: a later MLX may get CPU kernels of its own). `install` swaps those modules' classes for subclasses (same instance, same
 weights), as target.py's capture does. DFLASH_CPU_FAST=0 turns it off.
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -125,10 +127,34 @@ class FastRMSNorm(nn.RMSNorm):
 _SWAPS = {nn.RoPE: FastRoPE, nn.RMSNorm: FastRMSNorm}
 
 
+_AGREES: bool | None = None
+
+
+def agrees_with_mlx() -> bool:
+    """Whether this MLX's own RoPE and RMSNorm give our bits (checked once per process on a few
+    shapes): another MLX version may compute them otherwise, and then ours must not run, or a
+    plain step would stop equalling mlx-lm's bit for bit."""
+    global _AGREES
+    if _AGREES is None:
+        x = mx.random.normal((1, 3, 5, 64), key=mx.random.key(7)) * 3.0
+        w = mx.random.normal((64,), key=mx.random.key(8))
+        same = True
+        for offset, base, scale in ((0, 10000.0, 1.0), (37, 100000.0, 1.0), (4093, 1e6, 0.5)):
+            want = mx.fast.rope(x, 64, traditional=False, base=base, scale=scale, offset=offset)
+            same &= mx.array_equal(rope(x, offset, 64, base, scale), want).item()
+        same &= mx.array_equal(rms_norm(x, w, 1e-5), mx.fast.rms_norm(x, w, 1e-5)).item()
+        _AGREES = bool(same)
+        if not _AGREES:
+            warnings.warn(f"this MLX ({mx.__version__}) computes RoPE / RMSNorm with other bits than "
+                          "engine/cpufast.py: its fast path stays off", RuntimeWarning, stacklevel=3)
+    return _AGREES
+
+
 def install(model: Any) -> int:
     """Swap the class of every plain nn.RoPE / nn.RMSNorm in `model` (their subclasses, which
-    compute something else, are left alone); returns how many. Nothing when not enabled()."""
-    if not enabled():
+    compute something else, are left alone); returns how many. Nothing when not enabled() or
+    when this MLX's own ops would give other bits (agrees_with_mlx)."""
+    if not enabled() or not agrees_with_mlx():
         return 0
     n = 0
     for _, m in model.named_modules():

@@ -96,3 +96,17 @@ def test_a_targets_forward_is_unchanged_bit_for_bit(pairs):
         block = mx.array([[4, 8, 15, 16, 23, 42]])
         assert mx.array_equal(logits(target, block), logits(target, block, fast=False)).item(), arch
     assert checked >= 4
+
+
+def test_it_stays_off_when_this_mlx_gives_other_bits(monkeypatch):
+    """A future MLX with a CPU RoPE kernel of its own may round differently: then our path must
+    not run (a plain step would stop equalling mlx-lm's), and the user is told why."""
+    assert cpufast.agrees_with_mlx()  # the MLX this project runs on
+    real = mx.fast.rope
+    monkeypatch.setattr(cpufast, "_AGREES", None)
+    monkeypatch.setattr(mx.fast, "rope", lambda x, *a, **k: real(x, *a, **k) * 1.0000001 + 1e-6)
+    with pytest.warns(RuntimeWarning, match="fast path stays off"):
+        assert cpufast.install(nn.RMSNorm(8)) == 0
+    monkeypatch.setattr(mx.fast, "rope", real)
+    monkeypatch.setattr(cpufast, "_AGREES", None)
+    assert cpufast.install(nn.RMSNorm(8)) == 1
