@@ -495,7 +495,7 @@ def _pair_notes(pair: Any) -> str:
     if pair is None:
         return ""
     notes = "; few-row products padded" if pair.target.row_padding else ""
-    if getattr(pair.target, "cpu_fast", 0):
+    if pair.target.cpu_fast:
         notes += "; RoPE and RMSNorm in fewer CPU kernels"
     if pair.target.branches > 1:
         notes += f"; {pair.target.branches} draft rows a greedy verify"

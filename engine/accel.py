@@ -27,6 +27,17 @@ CUDNN_SDPA = "MLX_CUDA_USE_CUDNN_SDPA"  # MLX's switch: 0 = no cuDNN attention (
 SDPA_SOURCE = "DFLASH_CUDNN_SDPA_SET_BY"  # "dflash" when dflash set CUDNN_SDPA (absent: the user)
 
 
+def env_switch(name: str, default: bool) -> bool:
+    """An on/off setting of the engine from the environment (1 or 0; unset or empty: `default`);
+    any other value is refused with the variable's name."""
+    env = os.environ.get(name, "").strip()
+    if env:
+        if env not in ("0", "1"):
+            raise ValueError(f"{name} must be 0 or 1, got {env!r}")
+        return env == "1"
+    return default
+
+
 def cuda_env(env: dict | None = None) -> dict[str, str]:
     """Env additions that keep MLX-CUDA off cuDNN attention; {} when the user chose a value.
 

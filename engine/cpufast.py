@@ -23,7 +23,6 @@ weights), as target.py's capture does. DFLASH_CPU_FAST=0 turns it off.
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -31,6 +30,8 @@ from typing import Any, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
+from .accel import env_switch
 
 ENV = "DFLASH_CPU_FAST"
 
@@ -42,10 +43,7 @@ ON = True
 
 def enabled() -> bool:
     """On a CPU unless DFLASH_CPU_FAST=0 (a GPU has kernels of its own for both ops)."""
-    env = os.environ.get(ENV, "").strip()
-    if env not in ("", "0", "1"):
-        raise ValueError(f"{ENV} must be 0 or 1, got {env!r}")
-    return env != "0" and mx.default_device() == mx.cpu
+    return env_switch(ENV, True) and mx.default_device() == mx.cpu
 
 
 @contextmanager
@@ -100,9 +98,13 @@ def rope(x: mx.array, offset: int, dims: int, base: float, scale: float) -> mx.a
     return out if x.shape[-1] == dims else mx.concatenate([out, x[..., dims:]], axis=-1)
 
 
+_EPS: dict[float, mx.array] = {}  # each norm's eps as the float32 array the fallback adds
+
+
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    return _rms_finish_compiled(x, mx.mean(mx.square(x), axis=-1, keepdims=True), weight,
-                                mx.array(eps, mx.float32))
+    if eps not in _EPS:
+        _EPS[eps] = mx.array(eps, mx.float32)
+    return _rms_finish_compiled(x, mx.mean(mx.square(x), axis=-1, keepdims=True), weight, _EPS[eps])
 
 
 class FastRoPE(nn.RoPE):

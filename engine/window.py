@@ -90,6 +90,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from .accel import env_switch
 from .lookup import CopyAcceptance
 
 # Verify cost priors per backend, in decode steps. CPU: a k-token forward of SmolLM2-135M fp32 +
@@ -398,23 +399,13 @@ def _updated(old: float, new: float, measured: bool) -> float:
 def wide_windows() -> bool:
     """Whether "auto" chooses between the whole block and a plain step only (wide windows): on a
     GPU, unless DFLASH_WINDOW_WIDE says otherwise (1 or 0)."""
-    return _env_switch(WIDE_ENV, mx.default_device() == mx.gpu)
+    return env_switch(WIDE_ENV, mx.default_device() == mx.gpu)
 
 
 def confidence_windows() -> bool:
     """Whether "auto" without wide windows lets the draft's confidence choose a drafted whole
     block's window (greedy; see the module doc): DFLASH_WINDOW_CONFIDENCE=1 (off by default)."""
-    return _env_switch(CONFIDENCE_ENV, False)
-
-
-def _env_switch(name: str, default: bool) -> bool:
-    """An on/off setting from the environment (1 or 0; unset or empty: `default`)."""
-    env = os.environ.get(name, "").strip()
-    if env:
-        if env not in ("0", "1"):
-            raise ValueError(f"{name} must be 0 or 1, got {env!r}")
-        return env == "1"
-    return default
+    return env_switch(CONFIDENCE_ENV, False)
 
 
 def _costs() -> tuple[float | dict[int, float], float]:

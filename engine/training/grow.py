@@ -44,8 +44,9 @@ def grow(draft: DFlashDraft, extra: int = 0, mlp_width: int | None = None,
     width = mlp_width or old_w
     old_ids = list(draft.config.target_layer_ids)
     new_taps = sorted(set(taps) - set(old_ids))
-    if set(taps) & set(old_ids):
-        raise ValueError(f"--grow-taps {sorted(set(taps) & set(old_ids))}: already captured "
+    again = sorted(set(taps) & set(old_ids))
+    if again:
+        raise ValueError(f"--grow-taps {again}: already captured "
                          f"(the draft reads layers {old_ids})")
     n_target = draft.config.num_target_layers
     bad = [i for i in new_taps if i < 0 or (n_target and i >= n_target)]
