@@ -497,6 +497,8 @@ def _pair_notes(pair: Any) -> str:
     notes = "; few-row products padded" if pair.target.row_padding else ""
     if pair.target.cpu_fast:
         notes += "; RoPE and RMSNorm in fewer CPU kernels"
+    if pair.target.fused:
+        notes += "; q/k/v and gate/up as one product each"
     if pair.target.branches > 1:
         notes += f"; {pair.target.branches} draft rows a greedy verify"
     if pair.drafter.short_max:

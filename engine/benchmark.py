@@ -614,6 +614,11 @@ def method(cfg: BenchConfig, setup: Setup, runs: list[dict], first_time_used: bo
                      "what": "dflash's own forwards run RoPE from per-forward tables and RMSNorm in "
                              "two kernels on a CPU, bit for bit MLX's; mlx-lm's baseline runs "
                              "MLX's ops"},
+        # engine/fuse.py: q/k/v and gate/up groups run as one product each (same bits)
+        "fused_products": {"dflash": setup.target.fused, "baseline": 0,
+                           "what": "dflash's own forwards run each attention's q/k/v and each "
+                                   "MLP's gate/up as one product (groups fused; a GPU's default); "
+                                   "mlx-lm's baseline runs them one by one"},
         "draft_vocab": (len(setup.draft_vocab) if setup.draft_vocab else None),  # engine/draftvocab.py: None = all
         # engine/drafters.py: windows up to this many tokens draft from a cut block (0: never)
         "short_block_max": (short_block_max(setup.draft_model.config)

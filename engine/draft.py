@@ -159,15 +159,20 @@ class DraftAttention(nn.Module):
         self.rope = initialize_rope(hd, cfg.rope_theta, False, cfg.rope_scaling,
                                     cfg.max_position_embeddings)
 
-    def _kv(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+    def _kv(self, x: mx.array, offset: int,
+            kv: tuple[mx.array, mx.array] | None = None) -> tuple[mx.array, mx.array]:
+        """Keys (normed, rotated) and values of rows x; `kv`: their k_proj / v_proj products
+        computed already (the drafter's one product for every layer's context rows)."""
         B, L, _ = x.shape
-        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        k, v = kv or (self.k_proj(x), self.v_proj(x))
+        k = self.k_norm(k.reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return self.rope(k, offset=offset), v
 
-    def add_context(self, context: mx.array, cache: KVCache) -> None:
+    def add_context(self, context: mx.array, cache: KVCache,
+                    kv: tuple[mx.array, mx.array] | None = None) -> None:
         """Append projected context rows (at the next positions) to this layer's cache."""
-        k, v = self._kv(context, cache.offset)
+        k, v = self._kv(context, cache.offset, kv)
         cache.update_and_fetch(k, v)
 
     def __call__(
@@ -242,11 +247,13 @@ class DFlashDraft(nn.Module):
         """Target features [B, C, K*D] -> context rows [B, C, D], shared by all layers."""
         return self.hidden_norm(self.fc(features))
 
-    def add_context(self, features: mx.array, cache: list[KVCache]) -> None:
-        """Project new target feature rows and append their K/V to every layer's cache."""
+    def add_context(self, features: mx.array, cache: list[KVCache], kv_stack: Any = None) -> None:
+        """Project new target feature rows and append their K/V to every layer's cache;
+        `kv_stack` (fuse.context_stack): every layer's K/V products as one."""
         ctx = self.project(features)
-        for layer, c in zip(self.layers, cache):
-            layer.self_attn.add_context(ctx, c)
+        kv = kv_stack.all(ctx) if kv_stack is not None else None
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+            layer.self_attn.add_context(ctx, c, None if kv is None else (kv[2 * i], kv[2 * i + 1]))
 
     def __call__(
         self,

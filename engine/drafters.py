@@ -16,7 +16,7 @@ from typing import Any, Protocol, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from . import branches, cpufast
+from . import branches, cpufast, fuse
 from . import sampling as sampling_mod
 from . import verifyattn
 from .draft import DFlashDraft
@@ -111,6 +111,9 @@ class DFlashDrafter:
         self.short_max = min(short_block_max(draft.config), self.block_size - 1)
         self.cache: list[KVCache] = draft.make_cache()
         cpufast.install(draft)  # its RoPEs and RMSNorms in fewer CPU kernels, same bits
+        fuse.install(draft)  # q/k/v and gate/up as one product each (a GPU's default)
+        # every layer's context K/V products as one (fuse.py; with the groups above)
+        self.context_kv = fuse.context_stack(draft) if fuse.enabled() else None
 
     def reset(self, positioned: bool = False) -> None:
         if positioned:
@@ -127,8 +130,9 @@ class DFlashDrafter:
         return self.cache[0].offset
 
     def add_context(self, features: mx.array) -> None:
-        with cpufast.active():
-            self.draft.add_context(features.astype(self.draft.fc.weight.dtype), self.cache)
+        with cpufast.active(), fuse.active():
+            self.draft.add_context(features.astype(self.draft.fc.weight.dtype), self.cache,
+                                   self.context_kv if fuse.ON else None)
 
     def trim(self, rows: int) -> None:
         for c in self.cache:
@@ -150,7 +154,7 @@ class DFlashDrafter:
         masks = self._masks if count is None or count + 1 > self.short_max else self._masks[:count]
         block = mx.concatenate([anchor.reshape(1).astype(mx.int32), masks])[None]
         # the block's 16 queries over the context: fewq's kernel on CUDA; cpufast.py on a CPU
-        with verifyattn.active(), cpufast.active():
+        with verifyattn.active(), cpufast.active(), fuse.active():
             h = self.draft(self.target.embed(block), anchor_pos, self.cache)
         hidden = h[:, 1 : 1 + (self.block_size - 1 if count is None else count)]
         logits = (self.target.lm_head if self.head is None else self.head)(hidden)[0]

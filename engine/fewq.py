@@ -13,8 +13,10 @@ row that shares the KV head (G query heads x M positions, padded to whole 16-row
 tensor cores (16x16x16 WMMA tiles, bf16/fp16 in, fp32 sums), keeping a running max, sum and
 weighted-value sum per row (online softmax in fp32; the probabilities enter the second product in
 the input dtype, as flash attention does). The second launch combines the chunks' partial sums
-per row. K and V are read through their strides (16-byte loads when aligned), so the cache's
-slice views are not copied. Causal: query i of M sits at position N - M + i and sees keys up to
+per row and writes the output position-major ([B, M, Hq, D] in memory, handed back as a
+[B, Hq, M, D] view): every caller transposes it back to [B, M, Hq * D] for its output
+projection, which is then a view instead of one more copy kernel a layer. K and V are read
+through their strides (16-byte loads when aligned), so the cache's slice views are not copied. Causal: query i of M sits at position N - M + i and sees keys up to
 it. Non-causal (a draft block over its context): every key. fp32 inputs stay on MLX's path.
 Checked on the GPU against `reference` by scripts/fewq_check.py (worst |error| 0.002, bf16).
 """
@@ -171,7 +173,7 @@ _PASS2 = """
       o += opart[idx * D + d] * w;
     }
     const int g = r / M, i = r % M;
-    out[(((size_t)b * Hq + h * G + g) * M + i) * D + d] = static_cast<T>(o / l);
+    out[(((size_t)b * M + i) * Hq + h * G + g) * D + d] = static_cast<T>(o / l);  // [B, M, Hq, D]
 """
 
 _kernels: dict[str, object] = {}
@@ -233,9 +235,11 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, causal: bool)
                    output_shapes=[(b, hkv, nc, rmax, d), (b, hkv, nc, rmax, 2)],
                    output_dtypes=[mx.float32, mx.float32])
     p2 = _kernel(f"dflash_fewq2_{tag}", ["opart", "ml", "q"], ["out"], _PASS2)
-    return p2(inputs=[opart, ml, q], template=[("T", q.dtype), ("D", d), ("RMAX", rmax)],
-              grid=(rmax * d, hkv, b), threadgroup=(d, 1, 1),
-              output_shapes=[(b, hq, m, d)], output_dtypes=[q.dtype])[0]
+    out = p2(inputs=[opart, ml, q], template=[("T", q.dtype), ("D", d), ("RMAX", rmax)],
+             grid=(rmax * d, hkv, b), threadgroup=(d, 1, 1),
+             output_shapes=[(b, m, hq, d)], output_dtypes=[q.dtype])[0]
+    # written position-major: the caller's transpose back to [B, M, Hq*D] is then a free view
+    return out.transpose(0, 2, 1, 3)
 
 
 def reference(q: mx.array, k: mx.array, v: mx.array, scale: float, causal: bool) -> mx.array:

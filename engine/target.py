@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from . import branches, cpufast, rowpad, tape, verifyattn
+from . import branches, cpufast, fuse, rowpad, tape, verifyattn
 
 _CAPTURE_CLASSES: dict[type, type] = {}
 PIPELINE_ENV = "DFLASH_PIPELINE"
@@ -132,6 +132,8 @@ class TargetModel:
         self.row_plan = rowpad.describe(plans)  # the non-empty plans: what pad_rows applied
         # RoPE / RMSNorm in fewer CPU kernels, bit for bit MLX's (cpufast.py); our forwards only
         self.cpu_fast = cpufast.install(model)
+        # q/k/v and gate/up as one product each (fuse.py; a GPU's default); our forwards only
+        self.fused = fuse.install(model)
 
     @property
     def row_padding(self) -> bool:
@@ -178,7 +180,7 @@ class TargetModel:
         `eager` (a verify): start the pass on the device in parts as it is built, if `pipelined`.
         """
         eager = eager and self.pipelined
-        with rowpad.active(), verifyattn.active(), cpufast.active():
+        with rowpad.active(), verifyattn.active(), cpufast.active(), fuse.active():
             if last_only:
                 return self.capture(lambda: self.lm_head(self.inner(tokens, cache=cache)[:, -1:]))
             return self.capture(lambda: self.model(tokens, cache=cache), eager)

@@ -18,6 +18,8 @@ arm is NAME:KEY=VALUE,...; the keys:
                 max_probe_gap, 128 as shipped): a rule's parameter tried before it is changed
     fast=0|1    RoPE and RMSNorm in fewer CPU kernels (engine/cpufast.py, on by default on a CPU;
                 the same bits either way, only the speed differs)
+    fuse=0|1    q/k/v and gate/up as one product each (engine/fuse.py; installed at load on a GPU,
+                or anywhere with DFLASH_FUSE=1; the same bits either way)
     draft=DIR   another draft for the same target (loaded once per directory), e.g. a candidate
                 beside the bundled one
 Unset keys keep the loaded pair's defaults. `--baseline` adds mlx-lm's own decoding of the same
@@ -48,9 +50,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 BASELINE = "mlx-lm"
-KEYS = ("cut", "window", "copy", "wide", "conf", "gap", "fast", "draft")
+KEYS = ("cut", "window", "copy", "wide", "conf", "gap", "fast", "fuse", "draft")
 ENV_NOTED = ("MLX_CUDA_USE_CUDNN_SDPA", "DFLASH_VERIFY_ATTN", "DFLASH_PIPELINE", "DFLASH_BRANCHES",
-             "DFLASH_SHORT_BLOCK", "DFLASH_DRAFT_VOCAB", "DFLASH_WINDOW_WIDE", "DFLASH_WINDOW_CONFIDENCE")
+             "DFLASH_SHORT_BLOCK", "DFLASH_DRAFT_VOCAB", "DFLASH_WINDOW_WIDE", "DFLASH_WINDOW_CONFIDENCE",
+             "DFLASH_FUSE", "DFLASH_CPU_FAST")
 
 
 @dataclass
@@ -126,7 +129,7 @@ def _generate(pair, arm: Arm | None, ids: list[int], max_tokens: int) -> tuple[l
         return run_baseline(pair, ids, max_tokens)
     import functools
 
-    from dflash.engine import cpufast
+    from dflash.engine import cpufast, fuse
     from dflash.engine import generate as generate_mod
     from dflash.engine.window import CONFIDENCE_ENV, WIDE_ENV, VerifyWindow
 
@@ -139,6 +142,7 @@ def _generate(pair, arm: Arm | None, ids: list[int], max_tokens: int) -> tuple[l
         for key, name in envs.items():
             os.environ[name] = "1" if arm.settings[key] else "0"
         cpufast.ON = arm.settings.get("fast", True)
+        fuse.ON = arm.settings.get("fuse", True)
         if "gap" in arm.settings:  # the loop builds its VerifyWindow by this module-level name
             generate_mod.VerifyWindow = functools.partial(VerifyWindow, max_probe_gap=arm.settings["gap"])
         out, rec = run_dflash(pair, drafter, ids, max_tokens,
@@ -146,7 +150,7 @@ def _generate(pair, arm: Arm | None, ids: list[int], max_tokens: int) -> tuple[l
                               copy_draft=arm.settings.get("copy", True))
     finally:
         generate_mod.VerifyWindow = VerifyWindow
-        cpufast.ON = True
+        cpufast.ON = fuse.ON = True
         drafter.short_max = saved
         for name, value in saved_env.items():
             if value is None:

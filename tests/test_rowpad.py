@@ -128,6 +128,7 @@ def test_the_workers_status_line_says_whether_rows_are_padded(tiny_dirs, monkeyp
 
     assert _pair_notes(None) == ""  # still loading
     monkeypatch.setenv("DFLASH_CPU_FAST", "0")
+    monkeypatch.setenv("DFLASH_FUSE", "0")  # engine/fuse.py (a GPU's default; tests/test_fuse.py)
     for forced, want in (("1", "; few-row products padded"), ("0", "")):
         monkeypatch.setenv(rowpad.ENV, forced)
         assert _pair_notes(load_pair(tiny_dirs["qwen3"], tiny_dirs["qwen3"] / "draft")) == want
