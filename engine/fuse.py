@@ -19,7 +19,9 @@ input gets this, whatever the family: no forward is rewritten.
 Groups are fused only where the members agree (one input width; all plain nn.Linear of one
 dtype, or all nn.QuantizedLinear of one quantization; bias on all or none). On a CPU with MKL
 the stacked product saves no time (a 16-row q/k/v 334 -> 283 us, gate/up 951 -> 1,098 us on the
-2-core VM), so there it is off by default.
+2-core VM; in one process, `scripts/arms_ab.py --arm unfused:fuse=0 --arm fused:fuse=1`, 0.980x,
+0.946-1.016), so there it is off by default. On the H200, bf16, identical texts: 1.109x
+(1.075-1.144; docs/benchmark.md, "Session 21").
 
     DFLASH_FUSE=auto  (default) on a GPU;  =1 everywhere (tests);  =0 never
 """
