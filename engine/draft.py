@@ -26,7 +26,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -34,6 +34,9 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from . import verifyattn
+
+if TYPE_CHECKING:
+    from .fuse import Shared
 
 # Keys of a published DFlash config.json (z-lab/Qwen3-*-DFlash-b16) that the draft's shape does not
 # determine, with the published values; save_draft writes them unless the config carries its own.
@@ -247,7 +250,8 @@ class DFlashDraft(nn.Module):
         """Target features [B, C, K*D] -> context rows [B, C, D], shared by all layers."""
         return self.hidden_norm(self.fc(features))
 
-    def add_context(self, features: mx.array, cache: list[KVCache], kv_stack: Any = None) -> None:
+    def add_context(self, features: mx.array, cache: list[KVCache],
+                    kv_stack: Shared | None = None) -> None:
         """Project new target feature rows and append their K/V to every layer's cache;
         `kv_stack` (fuse.context_stack): every layer's K/V products as one."""
         ctx = self.project(features)
