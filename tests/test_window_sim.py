@@ -74,3 +74,13 @@ def test_policies_on_a_trace_and_the_oracle_ceiling():
     assert mod.simulate(bad, "auto")["plain"] > 40  # the policy finds plain decoding
     assert mod.simulate(good, "auto")["plain"] <= 2  # and keeps whole blocks (a timing step)
     assert mod.oracle(bad)["time"] == pytest.approx(len(bad))  # a plain step each
+
+
+def test_a_shorter_probe_gap_probes_more_where_nothing_is_accepted():
+    mod = _module()
+    bad = [0] * 400
+    slow, eager = mod.simulate(bad, "auto", slope=0, d=1.0), mod.simulate(bad, "auto", slope=0, d=1.0,
+                                                                          max_probe_gap=8)
+    assert eager["plain"] < slow["plain"] < 400  # more probes (draft cycles), fewer plain steps
+    assert eager["tokens"] / eager["time"] < slow["tokens"] / slow["time"] < 1.0
+
