@@ -111,9 +111,9 @@ class DFlashDrafter:
         self.short_max = min(short_block_max(draft.config), self.block_size - 1)
         self.cache: list[KVCache] = draft.make_cache()
         cpufast.install(draft)  # its RoPEs and RMSNorms in fewer CPU kernels, same bits
-        fuse.install(draft)  # q/k/v and gate/up as one product each (a GPU's default)
-        # every layer's context K/V products as one (fuse.py; with the groups above)
-        self.context_kv = fuse.context_stack(draft) if fuse.enabled() else None
+        # q/k/v and gate/up as one product each (a GPU's default), and with them every layer's
+        # context K/V products as one (fuse.py)
+        self.context_kv = fuse.context_stack(draft) if fuse.install(draft) else None
 
     def reset(self, positioned: bool = False) -> None:
         if positioned:

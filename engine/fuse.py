@@ -34,6 +34,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import rowpad
 from .scope import Scope
 
 ENV = "DFLASH_FUSE"
@@ -94,8 +95,9 @@ def _fused_class(cls: type) -> type:
 
 def _base(m: nn.Module) -> type:
     """The class a module was before any swap of ours (rowpad's or this module's)."""
+    ours = (*_CLASSES.values(), *rowpad._CLASSES.values())
     cls = type(m)
-    while cls.__name__.startswith(("Fused", "RowPadded")):
+    while cls in ours:
         cls = cls.__mro__[1]
     return cls
 
@@ -144,7 +146,7 @@ def _fuse_group(members: list[nn.Module]) -> Shared:
     names = _arrays(members[0])
     for i, (m, (a, b)) in enumerate(zip(members, shared.spans)):
         m.update({k: shared.stacked[k][a:b] for k in names})
-        if not type(m).__name__.startswith("Fused"):
+        if type(m) not in _CLASSES.values():
             m.__class__ = _fused_class(type(m))
         m.__dict__["_dflash_shared"] = shared
         m.__dict__["_dflash_part"] = i

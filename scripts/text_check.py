@@ -25,7 +25,7 @@ import json
 import mlx.core as mx
 import numpy as np
 
-from dflash.engine.generate import Finished, stream_dflash_generate
+from dflash.engine.benchmark import hardware_info, run_baseline, run_dflash, versions
 from dflash.engine.loading import load_pair
 
 
@@ -50,17 +50,6 @@ def replay(model, prompt: list[int], answer: list[int]) -> dict:
             "median_top2_gap": round(float(np.median(gaps)), 4) if gaps else None}
 
 
-def greedy(model, prompt: list[int], n: int, eos: set[int]) -> list[int]:
-    from mlx_lm.generate import generate_step
-
-    out = []
-    for tok, _ in generate_step(mx.array(prompt), model, max_tokens=n):
-        if int(tok) in eos:
-            break
-        out.append(int(tok))
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
@@ -74,19 +63,14 @@ def main() -> None:
     from arms_ab import questions  # the 5 chat questions + held-out prompts, as arms_ab draws them
 
     pair = load_pair(a.model, a.draft, dtype=a.dtype)
-    eos = set(pair.tokenizer.eos_token_ids)
     rows = []
     for qi, q in enumerate(questions(a.heldout)):
         prompt = pair.tokenizer.apply_chat_template([{"role": "user", "content": q}],
                                                     add_generation_prompt=True)
-        texts = {"mlx-lm": greedy(pair.target.model, prompt, a.max_tokens, eos)}
+        # the answers as the benchmark decodes them (to EOS, which neither keeps)
+        texts = {"mlx-lm": run_baseline(pair, prompt, a.max_tokens)[0]}
         for w in a.windows.split(","):
-            final = None
-            for ev in stream_dflash_generate(pair.target, pair.drafter, pair.tokenizer, prompt,
-                                             a.max_tokens, verify_window=w):
-                final = ev
-            assert isinstance(final, Finished)
-            texts[f"dflash-{w}"] = [t for t in final.token_ids if t not in eos]
+            texts[f"dflash-{w}"] = run_dflash(pair, pair.drafter, prompt, a.max_tokens, window=w)[0]
         row = {"question": qi}
         for name, ids in texts.items():
             r = replay(pair.target.model, prompt, ids)
@@ -107,8 +91,6 @@ def main() -> None:
                                                         for r in rows)}
     print(json.dumps(summary, indent=1))
     if a.out:
-        from dflash.engine.benchmark import hardware_info, versions
-
         with open(a.out, "w") as f:
             json.dump({"args": vars(a), "summary": summary, "rows": rows,
                        "machine": hardware_info(), "versions": versions(),
