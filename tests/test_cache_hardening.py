@@ -134,7 +134,11 @@ def test_damage_found_while_serving_is_repaired_by_a_restart(cache_proc, tmp_pat
     assert "exiting so that a restart repairs it" in (tmp_path / "cache.log").read_text()
 
     proc.start()
-    st = c.stats()
+    # the old client's first calls may time out while it reconnects to the new process (its
+    # timeout is 1 s, a slow VM's restart can take longer): ask until it answers
+    deadline = time.monotonic() + 20
+    while (st := c.stats()) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert [n["store"] for n in st["recoveries"]] == ["snapshots"]
     assert c.get_first([key(2)]) == (key(2), blob(2, BIG))  # salvaged from its value file
     c.close()
