@@ -110,6 +110,7 @@ def run_baseline(
     mx.reset_peak_memory()
     out: list[int] = []
     reason = ""
+    stop_token = None
     self_tps = 0.0
     t_first: float | None = None
     t0 = time.perf_counter()
@@ -121,10 +122,13 @@ def run_baseline(
         self_tps = r.generation_tps
         if not (r.finish_reason == "stop" and r.token in eos):
             out.append(int(r.token))
+        else:
+            stop_token = int(r.token)
     t_end = time.perf_counter()
     mx.synchronize()  # its pipelined loop may hold one discarded step in flight
     rec = _timing(len(ids), out, t0, t_first or t_end, t_end)
     rec.update(peak_memory_gb=mx.get_peak_memory() / 1e9, finish_reason=reason,
+               stop_token=stop_token,  # the end-of-sequence id it stopped on (not in `out`)
                self_reported_decode_tps=self_tps)  # mlx-lm's own generation_tps
     return out, rec
 
@@ -141,9 +145,10 @@ def _copy_draft(cfg: BenchConfig) -> bool:
 
 def run_dflash(
     setup: Setup, drafter: Drafter, ids: list[int], max_tokens: int, window: str = "auto",
-    sampling: Sampling = GREEDY, copy_draft: bool = True,
+    sampling: Sampling = GREEDY, copy_draft: bool = True, teacher: list[int] | None = None,
 ) -> tuple[list[int], dict]:
-    """stream_dflash_generate on the same prompt ids, timed with the baseline's clock."""
+    """stream_dflash_generate on the same prompt ids, timed with the baseline's clock
+    (`teacher`: a reference decoding's ids to decode, see stream_dflash_generate)."""
     mx.synchronize()
     final: Finished | None = None
     t_first: float | None = None
@@ -151,7 +156,7 @@ def run_dflash(
     gen = stream_dflash_generate(
         setup.target, drafter, setup.tokenizer, ids, max_tokens, verify_window=window,
         temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-        seed=sampling.seed, copy_draft=copy_draft,
+        seed=sampling.seed, copy_draft=copy_draft, teacher=teacher,
     )
     for ev in gen:
         if isinstance(ev, Finished):

@@ -28,7 +28,7 @@ from .lookup import CopyProposer
 from .prefix import PrefixSession
 from .sampling import DraftSampling, KeyChain, SamplingParams
 from .target import TargetModel
-from .verify import Verified, verify
+from .verify import Verified, taught, verify
 from .window import VerifyWindow, WindowMemory
 
 
@@ -105,6 +105,7 @@ def stream_dflash_generate(
     copy_draft: bool = True,
     window_memory: WindowMemory | None = None,
     branches: int | None = None,
+    teacher: Sequence[int] | None = None,
 ) -> Iterator[TokenDelta | Finished]:
     """DFlash generation. Yields TokenDelta events, then one Finished with the stats.
 
@@ -131,6 +132,13 @@ def stream_dflash_generate(
 
     branches: draft rows per verify (engine/branches.py; None: the target's DFLASH_BRANCHES).
     Greedy model drafts over plain KV caches only; elsewhere one row. Never changes the output.
+
+    teacher (timing only; greedy): the ids of a reference decoding of this prompt (mlx-lm's).
+    Every verify takes them as the target's choices where it has them, so the run decodes
+    exactly that text at the cost of its own passes (the target's pass and argmax still run).
+    On a bf16 GPU a 16-token verify and a 1-token step round near-ties differently and the
+    texts part; a teacher lets arms and mlx-lm be timed on one text (scripts/arms_ab.py
+    --teach). The output is the teacher's, not a claim about the target's.
     """
     params = SamplingParams(temperature, top_p, top_k, seed)
     keys = None if params.greedy else KeyChain(params.seed)  # None: greedy, no randomness
@@ -148,6 +156,11 @@ def stream_dflash_generate(
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise ValueError("empty prompt: at least one token is needed")
+    forced = None  # the teacher's ids (past their end: the target's own choice)
+    if teacher is not None:
+        if not params.greedy or positions is not None:
+            raise ValueError("a teacher's ids time greedy runs over a dense prompt only")
+        forced = mx.array([*teacher, -1], dtype=mx.int32)
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if prefill_chunk < 1:
@@ -182,6 +195,8 @@ def stream_dflash_generate(
     rollback.quantize_kv(caches, kv_bits, kv_group_size)
     if keys is None:
         anchor = mx.argmax(logits[0, -1]).astype(mx.int32)
+        if forced is not None:
+            anchor = taught(anchor.reshape(1), forced[:1])[0]
     else:
         anchor = sampling_mod.sample(logits[0, -1], params, keys.next())
     first = anchor.item()
@@ -229,9 +244,12 @@ def stream_dflash_generate(
             drafter.add_context(pending[0] if len(pending) == 1 else mx.concatenate(pending, axis=1))
             pending.clear()
 
-    def check(anchor: mx.array, drafts: mx.array, q: mx.array | None = None) -> Verified:
+    def check(anchor: mx.array, drafts: mx.array, pos: int, q: mx.array | None = None) -> Verified:
+        """Verify the anchor at `pos` and its drafts."""
         if keys is None:
-            return verify(target, caches, anchor, drafts, record_tape)
+            j = pos - len(ids) + 1  # the answer index of the block's first emitted token
+            taught_ids = None if forced is None else forced[j : j + 1 + drafts.shape[-1]]
+            return verify(target, caches, anchor, drafts, record_tape, forced=taught_ids)
         return verify(target, caches, anchor, drafts, record_tape, params, keys.next(), q)
 
     def plan() -> tuple[int, list[int]]:
@@ -253,11 +271,11 @@ def stream_dflash_generate(
         """Queue the next cycle; `ready`: its draft, run ahead by the previous cycle."""
         k, copy = plan()  # k 1: a plain decode step, no draft pass (see window.py)
         if k == 1:
-            return check(anchor, no_drafts)
+            return check(anchor, no_drafts, pos)
         # a key taken by every proposal kind: the verify draws never depend on the kind
         draft_key = None if keys is None else keys.next()
         if copy:  # no draft pass; ids only, so under sampling q is one-hot at them
-            cyc = check(anchor, mx.array(copy, dtype=mx.int32))
+            cyc = check(anchor, mx.array(copy, dtype=mx.int32), pos)
             cyc.copied = True
             return cyc
         rows_here = by_rows if k >= MIN_WIDTH else {}
@@ -282,7 +300,7 @@ def stream_dflash_generate(
                                             sampling=DraftSampling(params, draft_key))
             if target.pipelined:  # the draft runs on the device while the verify is built
                 mx.async_eval(drafts)
-        cyc = check(anchor, drafts, q)
+        cyc = check(anchor, drafts, pos, q)
         cyc.whole_block = whole
         if runs_ahead and window.likely_full(k):
             flush()
@@ -310,7 +328,7 @@ def stream_dflash_generate(
                 # a copy would win before that token is known: the text repeats, so read the
                 # token first and look its continuation up.
                 feed(cyc.features)
-                inflight = check(cyc.tokens[0], no_drafts)
+                inflight = check(cyc.tokens[0], no_drafts, pos + 1)
                 ahead = True
             values = cyc.summary.tolist()  # the one host sync of the cycle
             now = time.perf_counter()

@@ -58,18 +58,21 @@ def verify(
     sampling: SamplingParams | None = None,
     key: mx.array | None = None,
     q: mx.array | None = None,
+    forced: mx.array | None = None,
 ) -> Verified:
     """Run the target once over [anchor, drafts...] and queue acceptance; does not sync.
 
     Greedy when `sampling` is None; otherwise `key` drives the draws and `q` (k, V) holds the
     probs the drafts were drawn from (None: a deterministic drafter, q one-hot at the drafts).
-    Greedy drafts [R, k-1] with R > 1: see `verify_rows`.
+    Greedy drafts [R, k-1] with R > 1: see `verify_rows`. `forced` (k,), greedy only: where
+    >= 0, a teacher's ids stand in for the target's choices (generate.py's `teacher`: timing
+    runs on a fixed text; the target's pass and argmax still run, so the cost is a real cycle's).
     """
     if drafts.ndim == 2:
         if sampling is not None or record_tape:
             raise ValueError("several draft rows are verified greedily over KV caches only")
         if drafts.shape[0] > 1:
-            return verify_rows(target, caches, anchor, drafts)
+            return verify_rows(target, caches, anchor, drafts, forced)
         drafts = drafts[0]
     plain = drafts.shape[0] == 0  # a plain decode step: nothing to accept, no ops spent on it
     anchor = anchor.reshape(1).astype(mx.int32)
@@ -80,9 +83,11 @@ def verify(
         logits, features = target.forward(block, caches, eager=not plain)
     accepted = mx.array(0, mx.int32)  # what a plain step accepts
     if sampling is None:
-        tokens = mx.argmax(logits[0], axis=-1).astype(mx.int32)
+        tokens = taught(mx.argmax(logits[0], axis=-1).astype(mx.int32), forced)
         if not plain:
             accepted = greedy_accept(drafts, tokens)
+    elif forced is not None:
+        raise ValueError("a teacher's ids stand in for greedy choices only")
     elif plain:  # one draw from p
         tokens = sampling_mod.sample(logits[0], sampling, key)
     else:
@@ -93,7 +98,18 @@ def verify(
     return Verified(block.shape[1], tokens, features, tp, summary)
 
 
-def verify_rows(target: TargetModel, caches: list[Any], anchor: mx.array, drafts: mx.array) -> Verified:
+def taught(greedy: mx.array, forced: mx.array | None) -> mx.array:
+    """The target's greedy ids, or the teacher's where it has one (>= 0; past its end: none)."""
+    if forced is None:
+        return greedy
+    short = greedy.shape[-1] - forced.shape[0]
+    if short > 0:
+        forced = mx.concatenate([forced, mx.full((short,), -1, mx.int32)])
+    return mx.where(forced >= 0, forced, greedy)
+
+
+def verify_rows(target: TargetModel, caches: list[Any], anchor: mx.array, drafts: mx.array,
+                forced: mx.array | None = None) -> Verified:
     """Greedy verify of R draft rows [R, k-1] after one anchor in one batched pass; keeps the
     row accepted furthest (caches, tokens, features), all lazily on the device."""
     rows, width = drafts.shape[0], drafts.shape[1] + 1
@@ -101,7 +117,7 @@ def verify_rows(target: TargetModel, caches: list[Any], anchor: mx.array, drafts
     block = mx.concatenate([anchor, drafts.astype(mx.int32)], axis=1)
     rollback.tile_rows(caches, rows)
     logits, features = target.forward(block, caches, eager=True)
-    greedy = mx.argmax(logits, axis=-1).astype(mx.int32)  # [R, k]
+    greedy = taught(mx.argmax(logits, axis=-1).astype(mx.int32), forced)  # [R, k]
     accepted = greedy_accept(block[:, 1:], greedy)  # [R]
     best = mx.argmax(accepted).astype(mx.int32)  # the first of the longest: row 0 on ties
     rollback.keep_row(caches, best)

@@ -32,6 +32,10 @@ promise: a 4% effect needs this.
 The output cannot depend on the arm: ids must equal the first arm's (with --baseline, mlx-lm's).
 On a bf16 GPU a 16-token verify and a 1-token step may round a near-tie differently (README,
 losslessness), so give --tolerate-id-diffs there: differing answers are counted, not fatal.
+Texts that part then go on differently, and a text's predictability moves speed more than an
+arm does. `--teach` (with --baseline) times every arm on mlx-lm's own text instead: mlx-lm
+answers each prompt once untimed first, and each DFlash run takes those ids as the target's
+choices (generate.py's `teacher`; its passes are a real run's), so every pair is like for like.
 Prints each arm's paired ratio against the first arm (geometric mean over generations, with a
 95% interval), tokens per cycle and the mean verify window; --out writes every generation.
 """
@@ -121,8 +125,10 @@ def questions(heldout: int, seed: int = 0) -> list[str]:
     return list(CHAT_QUESTIONS) + held[:heldout]
 
 
-def _generate(pair, arm: Arm | None, ids: list[int], max_tokens: int) -> tuple[list[int], dict]:
-    """One greedy answer by one arm (None: mlx-lm), timed as `dflash benchmark` times it."""
+def _generate(pair, arm: Arm | None, ids: list[int], max_tokens: int,
+              teacher: list[int] | None = None) -> tuple[list[int], dict]:
+    """One greedy answer by one arm (None: mlx-lm), timed as `dflash benchmark` times it;
+    `teacher`: the ids a DFlash arm decodes (see --teach)."""
     from dflash.engine.benchmark import run_baseline, run_dflash
 
     if arm is None:
@@ -147,7 +153,7 @@ def _generate(pair, arm: Arm | None, ids: list[int], max_tokens: int) -> tuple[l
             generate_mod.VerifyWindow = functools.partial(VerifyWindow, max_probe_gap=arm.settings["gap"])
         out, rec = run_dflash(pair, drafter, ids, max_tokens,
                               window=arm.settings.get("window", "auto"),
-                              copy_draft=arm.settings.get("copy", True))
+                              copy_draft=arm.settings.get("copy", True), teacher=teacher)
     finally:
         generate_mod.VerifyWindow = VerifyWindow
         cpufast.ON = fuse.ON = True
@@ -165,18 +171,26 @@ def _generate(pair, arm: Arm | None, ids: list[int], max_tokens: int) -> tuple[l
 def run(pair, prompts: list[list[int]], arms: list[Arm], rounds: int, max_tokens: int,
         baseline: bool = False, tolerate_id_diffs: bool = False, warmup: int = 0,
         on_round: Callable[[dict[str, list[dict]]], None] | None = None,
-        log: Callable[[str], None] | None = None) -> dict[str, list[dict]]:
+        log: Callable[[str], None] | None = None, teach: bool = False) -> dict[str, list[dict]]:
     """Every prompt (token ids) by every arm each round, the order shuffled per prompt;
     `on_round` sees the results so far after each round (a run cut short keeps its rounds), `log`
-    gets a line per prompt (a run cut short keeps those too)."""
+    gets a line per prompt (a run cut short keeps those too); `teach`: every DFlash arm decodes
+    mlx-lm's text of the prompt (see the module doc)."""
     names = ([BASELINE] if baseline else []) + [a.name for a in arms]
     if len(set(names)) != len(names):
         raise ValueError(f"arm names must differ: {names}")
+    if teach and not baseline:
+        raise ValueError("--teach times the arms on mlx-lm's texts: give --baseline too")
     by_name: dict[str, Arm | None] = {a.name: a for a in arms}
     by_name[BASELINE] = None
+    teachers: list[list[int] | None] = [None] * len(prompts)
+    if teach:  # mlx-lm's text of each prompt, with the end-of-sequence id it stopped on
+        for i, ids in enumerate(prompts):
+            out, rec = _generate(pair, None, ids, max_tokens)
+            teachers[i] = out + ([rec["stop_token"]] if rec.get("stop_token") is not None else [])
     for _ in range(warmup):
         for name in names:
-            _generate(pair, by_name[name], prompts[0], max_tokens)
+            _generate(pair, by_name[name], prompts[0], max_tokens, teachers[0])
     res: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(rounds):
         for i, ids in enumerate(prompts):
@@ -184,7 +198,7 @@ def run(pair, prompts: list[list[int]], arms: list[Arm], rounds: int, max_tokens
             random.Random(r * 1000 + i).shuffle(order)
             got = {}
             for name in order:
-                got[name], rec = _generate(pair, by_name[name], ids, max_tokens)
+                got[name], rec = _generate(pair, by_name[name], ids, max_tokens, teachers[i])
                 res[name].append({"question": i, "round": r, "tokens": rec["generated_tokens"],
                                   "ids_sha1": ids_digest(got[name]),
                                   **{k: rec.get(k) for k in ("decode_tps", "acceptance",
@@ -258,8 +272,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="untimed answers of the first question per arm")
     ap.add_argument("--tolerate-id-diffs", action="store_true",
                     help="count answers that differ from the first arm's instead of stopping (bf16)")
+    ap.add_argument("--teach", action="store_true",
+                    help="every DFlash arm decodes mlx-lm's text of each prompt (needs --baseline)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.teach and not a.baseline:
+        ap.error("--teach times the arms on mlx-lm's texts: give --baseline too")
     try:
         arms = [parse_arm(s) for s in (a.arm or ["whole:cut=0", "cut:cut=2"])]
     except ValueError as e:
@@ -283,12 +301,16 @@ def main() -> None:
             Path(a.out).write_text(json.dumps({
                 "model": a.model, "draft": a.draft, "arms": {x.name: x.settings for x in arms},
                 "baseline": a.baseline, "rounds": a.rounds, "warmup": a.warmup, "heldout": a.heldout,
-                "max_tokens": a.max_tokens, "dtype": a.dtype, "summary": summary(res), **machine,
+                "max_tokens": a.max_tokens, "dtype": a.dtype, "teach": a.teach,
+                "summary": summary(res), **machine,
                 "runs": res},
                 indent=1))
 
+    if a.teach:
+        machine["measured"] += ("; every DFlash arm teacher-forced to mlx-lm's text of each prompt "
+                                "(--teach: its own target passes, mlx-lm's ids)")
     res = run(pair, prompts, arms, a.rounds, a.max_tokens, a.baseline, a.tolerate_id_diffs,
-              a.warmup, on_round=write, log=lambda line: print(line, flush=True))
+              a.warmup, on_round=write, log=lambda line: print(line, flush=True), teach=a.teach)
     for name, row in summary(res).items():
         print(f"{name:>10}: {row['ratio']:.3f}x of {row['vs']} decode tok/s (95% interval "
               f"{row['low']:.3f}-{row['high']:.3f}, {row['n']} pairs)"

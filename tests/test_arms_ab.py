@@ -115,3 +115,27 @@ def test_a_gap_arm_sets_the_probe_gap_for_its_own_generations_only(pairs, monkey
     for spec in ("g:gap=16", "plain"):
         mod._generate(pair, mod.parse_arm(spec), ids, 8)
     assert gaps == [16, 128] and generate_mod.VerifyWindow is window_mod.VerifyWindow
+
+
+def test_teach_times_every_arm_on_mlx_lms_text(pairs, monkeypatch):
+    """--teach: mlx-lm answers each prompt once, untimed, and every DFlash run decodes that text."""
+    from dflash.engine import benchmark
+
+    mod = _module()
+    pair = pairs("qwen3")
+    prompts = [pair.tokenizer.encode(t) for t in ("The quick brown fox jumps", "def add(a, b):")]
+    taught = []
+    real = benchmark.run_dflash
+
+    def spy(*args, teacher=None, **kwargs):
+        taught.append(teacher)
+        return real(*args, teacher=teacher, **kwargs)
+
+    monkeypatch.setattr(benchmark, "run_dflash", spy)
+    arms = [mod.parse_arm(s) for s in ("whole:window=full", "auto")]
+    res = mod.run(pair, prompts, arms, rounds=1, max_tokens=20, baseline=True, teach=True)
+    assert len(taught) == 4 and all(t for t in taught)
+    for name in ("whole", "auto"):
+        assert all(r["same_ids"] for r in res[name])
+    with pytest.raises(ValueError, match="--baseline"):
+        mod.run(pair, prompts, arms, rounds=1, max_tokens=4, teach=True)
