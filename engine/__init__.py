@@ -4,15 +4,16 @@ The public API: `load_pair` to load a target and its draft, `stream_dflash_gener
 generate (greedy, or sampling with temperature/top_p/top_k/seed; lossless either way), the
 event types it yields, and `SamplingParams` (checks sampling options up front).
 
-Importing it sets MLX_CUDA_USE_CUDNN_SDPA=0 unless the environment already has a value (see
-accel.py: MLX-CUDA's cuDNN attention builds a graph per shape, ~5x per new KV length). MLX reads
-the variable on its first GPU attention call: import dflash.engine before running any model, or
-export the variable yourself.
+Importing it sets MLX_CUDA_USE_CUDNN_SDPA=0 and MLX_USE_CUDA_GRAPHS=0, each unless the
+environment already has a value (see accel.py: MLX-CUDA's cuDNN attention builds a graph per
+shape, ~5x per new KV length; CUDA graphs cost a draft cycle more host time than they save). MLX
+reads each once, at its first GPU attention call or commit: import dflash.engine before running
+any model, or export the variables yourself.
 """
 
-from .accel import use_mlx_sdpa
+from .accel import use_cuda_env
 
-use_mlx_sdpa()  # before .generate imports mlx; a user's explicit value wins
+use_cuda_env()  # before .generate imports mlx; a user's explicit value wins
 
 from .generate import Finished, GenerationStats, TokenDelta, stream_dflash_generate  # noqa: E402
 from .loading import Pair, load_pair  # noqa: E402

@@ -10,9 +10,21 @@ On MLX's CUDA backend (0.32) scaled_dot_product_attention goes through cuDNN, wh
 graph per exact shape: a multi-token forward at a KV length not seen before costs ~5x (a 16-token
 verify of an 8B model: 77.8 ms at a new length vs 12.7 ms with cuDNN SDPA off), and a speculative
 decoder verifies at a new length every cycle. `MLX_CUDA_USE_CUDNN_SDPA=0` turns that path off;
-MLX reads it once, on its first GPU attention call. `use_mlx_sdpa()` sets it (unless the user
-set it: an explicit value always wins) when `dflash.engine` is imported, i.e. before any model
-runs, and the re-executed process inherits it; `describe()` and `sdpa_setting()` report it.
+MLX reads it once, on its first GPU attention call.
+
+MLX-CUDA also records kernels into CUDA graphs (up to 100 a graph on an H100/H200), updated or
+instantiated anew at every commit. A draft cycle commits its small graphs one after another
+(the draft, then the verify layer group by layer group) and reads one result, so the host pays
+that bookkeeping on every cycle. `MLX_USE_CUDA_GRAPHS=0` launches the kernels straight onto the
+stream instead. Measured on the H200 (session 22, bf16 SmolLM2-135M and the bundled draft,
+8 prompts decoded on mlx-lm's own texts, one process per setting, two interleaved rounds): with
+graphs DFlash's "auto" window ran 262 / 280 tok/s and the whole block 282 / 301, without them
+374 / 361 and 394 / 404, while mlx-lm's plain decoding in the same processes ran 166 / 160 and
+178 / 182 (not slower without). MLX reads this switch once as well, at its first commit.
+
+`use_cuda_env()` sets both (each unless the user set it: an explicit value always wins) when
+`dflash.engine` is imported, i.e. before any model runs, and the re-executed process inherits
+them; `describe()` and `setting()` report them.
 """
 
 from __future__ import annotations
@@ -25,6 +37,10 @@ from pathlib import Path
 MARK = "DFLASH_ACCEL"  # set in the re-executed worker: what was chosen (also stops a loop)
 CUDNN_SDPA = "MLX_CUDA_USE_CUDNN_SDPA"  # MLX's switch: 0 = no cuDNN attention (per-shape graphs)
 SDPA_SOURCE = "DFLASH_CUDNN_SDPA_SET_BY"  # "dflash" when dflash set CUDNN_SDPA (absent: the user)
+CUDA_GRAPHS = "MLX_USE_CUDA_GRAPHS"  # MLX's switch: 0 = kernels launched directly, no CUDA graphs
+GRAPHS_SOURCE = "DFLASH_CUDA_GRAPHS_SET_BY"  # "dflash" when dflash set CUDA_GRAPHS
+# MLX-CUDA switch -> (dflash's value, the variable recording that dflash set it)
+CUDA_SETTINGS = {CUDNN_SDPA: ("0", SDPA_SOURCE), CUDA_GRAPHS: ("0", GRAPHS_SOURCE)}
 
 
 def env_switch(name: str, default: bool) -> bool:
@@ -39,17 +55,22 @@ def env_switch(name: str, default: bool) -> bool:
 
 
 def cuda_env(env: dict | None = None) -> dict[str, str]:
-    """Env additions that keep MLX-CUDA off cuDNN attention; {} when the user chose a value.
+    """Env additions that keep MLX-CUDA off cuDNN attention and off CUDA graphs, each only
+    where the user has not chosen a value.
 
-    Harmless where there is no CUDA (MLX ignores the variable); skipped on macOS (Metal only).
+    Harmless where there is no CUDA (MLX ignores the variables); skipped on macOS (Metal only).
     """
     env = os.environ if env is None else env
-    if CUDNN_SDPA in env or sys.platform == "darwin":
+    if sys.platform == "darwin":
         return {}
-    return {CUDNN_SDPA: "0", SDPA_SOURCE: "dflash"}
+    extra = {}
+    for name, (value, source) in CUDA_SETTINGS.items():
+        if name not in env:
+            extra.update({name: value, source: "dflash"})
+    return extra
 
 
-def use_mlx_sdpa(env: dict | None = None) -> bool:
+def use_cuda_env(env: dict | None = None) -> bool:
     """Apply cuda_env() to `env` (default: this process, inherited by children); True if set now."""
     env = os.environ if env is None else env
     extra = cuda_env(env)
@@ -57,13 +78,18 @@ def use_mlx_sdpa(env: dict | None = None) -> bool:
     return bool(extra)
 
 
-def sdpa_setting(env: dict | None = None) -> dict[str, str | None]:
-    """{"value": MLX_CUDA_USE_CUDNN_SDPA or None (MLX default: on), "set_by": dflash|user|None}."""
+def setting(name: str, env: dict | None = None) -> dict[str, str | None]:
+    """{"value": the MLX-CUDA switch's value or None (MLX's default: on), "set_by": dflash|user|None}."""
     env = os.environ if env is None else env
-    value = env.get(CUDNN_SDPA)
+    value = env.get(name)
     if value is None:
         return {"value": None, "set_by": None}
-    return {"value": value, "set_by": env.get(SDPA_SOURCE) or "user"}
+    return {"value": value, "set_by": env.get(CUDA_SETTINGS[name][1]) or "user"}
+
+
+def sdpa_setting(env: dict | None = None) -> dict[str, str | None]:
+    """setting() of MLX_CUDA_USE_CUDNN_SDPA."""
+    return setting(CUDNN_SDPA, env)
 
 
 def find_mkl(prefix: str | Path | None = None) -> Path | None:
@@ -122,7 +148,7 @@ def maybe_reexec(blas: str | None = None, module: str | None = None) -> None:
     (a console script, or the `-m` module this process was started as). `blas` defaults to
     $DFLASH_BLAS or "auto".
     """
-    use_mlx_sdpa()  # normally done already by `import dflash.engine`; the child inherits it
+    use_cuda_env()  # normally done already by `import dflash.engine`; the child inherits it
     blas = blas or os.environ.get("DFLASH_BLAS", "auto")
     extra = plan(blas)
     if extra is None:
@@ -146,9 +172,10 @@ def _describe() -> str:
 
 
 def describe() -> str:
-    """What the running worker chose (after maybe_reexec): the BLAS, and cuDNN attention if set."""
+    """What the running worker chose (after maybe_reexec): the BLAS, and the MLX-CUDA switches set."""
     text = os.environ.get(MARK) or _describe()
-    sdpa = sdpa_setting()
-    if sdpa["value"] is not None:
-        text += f"; {CUDNN_SDPA}={sdpa['value']} (set by {sdpa['set_by']})"
+    for name in CUDA_SETTINGS:
+        s = setting(name)
+        if s["value"] is not None:
+            text += f"; {name}={s['value']} (set by {s['set_by']})"
     return text

@@ -605,6 +605,7 @@ def method(cfg: BenchConfig, setup: Setup, runs: list[dict], first_time_used: bo
         "order": "alternating baseline/dflash per repeat",
         "cooldown_s": cfg.cooldown,
         "mlx_cuda_use_cudnn_sdpa": accel.sdpa_setting(),
+        "mlx_use_cuda_graphs": accel.setting(accel.CUDA_GRAPHS),
         "verify_attention": setup.target.verify_attention,  # engine/verifyattn.py: mlx, kernel, fastexp
         "pipelined": setup.target.pipelined,  # DFLASH_PIPELINE: verifies queued layer group by group
         "run_ahead": setup.target.run_ahead,  # DFLASH_RUNAHEAD: next draft queued before the read
@@ -661,7 +662,8 @@ def run_benchmark(cfg: BenchConfig, log: Log = print) -> tuple[dict, Path]:
     log(f"== dflash benchmark | MODE: {mode_line}")
     log(f"== {setup.description} | dtype {setup.dtype} | device {mx.default_device()} | "
         f"block {setup.block_size} | setup {time.perf_counter() - t_setup:.1f} s | "
-        f"{accel.CUDNN_SDPA}={accel.sdpa_setting()['value']}")
+        f"{accel.CUDNN_SDPA}={accel.sdpa_setting()['value']} | "
+        f"{accel.CUDA_GRAPHS}={accel.setting(accel.CUDA_GRAPHS)['value']}")
 
     bench = Bench(setup, cfg, log, text)
     fresh = cfg.first_time_lengths and not cfg.chat
@@ -752,7 +754,7 @@ def hardware_info() -> dict:
     gpu = _nvidia_gpu()
     if gpu:
         info["gpu"] = gpu
-    blas = {k: os.environ[k] for k in ("LD_PRELOAD", "MKL_THREADING_LAYER", accel.CUDNN_SDPA)
+    blas = {k: os.environ[k] for k in ("LD_PRELOAD", "MKL_THREADING_LAYER", *accel.CUDA_SETTINGS)
             if k in os.environ}
     if blas:
         info["env"] = blas

@@ -66,7 +66,8 @@ def format_table(result: dict[str, Any]) -> str:
     note = (f"== method: first-time lengths {method.get('first_time_lengths')} (verified "
             f"{method.get('first_time_verified')}), warm-up {method.get('warmup_runs')}, "
             f"{method.get('repeats')} repeats, medians; MLX_CUDA_USE_CUDNN_SDPA="
-            f"{(method.get('mlx_cuda_use_cudnn_sdpa') or {}).get('value')}, verify attention "
+            f"{(method.get('mlx_cuda_use_cudnn_sdpa') or {}).get('value')}, MLX_USE_CUDA_GRAPHS="
+            f"{(method.get('mlx_use_cuda_graphs') or {}).get('value')}, verify attention "
             f"{method.get('verify_attention')}, pipelined {method.get('pipelined')}") if method else None
     return "\n".join([title, line(heads), rule] + [line(r) for r in rows] + ([note] if note else []))
 

@@ -40,6 +40,14 @@ the model's own window 1.27x / 1.40x of mlx-lm, 8 tokens 1.42x, the whole block 
 1.63x / 1.76x; a first wide rule (the whole block when the geometric rate(B) >= 1) 1.42x, no
 better than the model's window, since that rate is below 1 where whole blocks pay. On a CPU a
 16-token verify costs ~3 steps against ~1.7 for 4, and the model's window stays.
+The mean of tokens per whole-block cycle is noisy (a cycle emits 1 to 16), and a mean that
+remembered ~10 cycles dipped below the bar on texts where whole blocks paid; each probe that then
+failed to lift it doubled the plain stretch, up to 128 steps, half a 256-token answer. Timed on
+mlx-lm's own texts (session 22, H200 bf16, `scripts/arms_ab.py --teach`, 16 prompts x 3 rounds,
+48 pairs): the whole block every cycle ran 1.091x (1.041-1.143) of that rule, probes at most 16
+apart 1.040x (0.996-1.086). So wide windows now remember ~33 whole-block cycles (`full_decay`
+0.97) and probe at most 16 plain steps apart (WIDE_PROBE_GAP; at acceptance 0 a whole-block
+probe every 17 tokens costs ~5% of plain decoding on the H200).
 
 Windows chosen by the draft's confidence (opt-in: DFLASH_WINDOW_CONFIDENCE=1, where "auto" uses
 the model's window): when the model's window needs the whole block drafted anyway (k >
@@ -142,6 +150,9 @@ def verify_costs(prior: float | dict[int, float], block_size: int) -> list[float
 
 
 PRIOR_WEIGHT = 2.5  # cycles' worth of a remembered acceptance (as much as the built-in prior)
+PROBE_GAP = 128  # the longest run of plain steps between probes (narrow windows: a CPU's)
+WIDE_PROBE_GAP = 16  # the same with wide windows (a GPU's), where whole blocks pay most
+FULL_DECAY = 0.97  # the memory of tokens per whole-block cycle (wide windows): ~33 cycles
 
 
 @dataclass
@@ -164,9 +175,10 @@ class VerifyWindow:
     """
 
     def __init__(self, block_size: int, policy: str | int = "auto", allow_plain: bool = True,
-                 decay: float = 0.9, probe_every: int = 8, max_probe_gap: int = 128,
+                 decay: float = 0.9, probe_every: int = 8, max_probe_gap: int | None = None,
                  remeasure_every: int = 64, probe_window: int = 2,
-                 memory: WindowMemory | None = None, short_max: int = 0):
+                 memory: WindowMemory | None = None, short_max: int = 0,
+                 full_decay: float = FULL_DECAY):
         self.block_size = block_size
         self.short_max = short_max  # windows up to this draft with a block cut to k rows
         self.probe_window = probe_window
@@ -185,7 +197,11 @@ class VerifyWindow:
             self.fixed = k
         self.decay = decay
         self.probe_every = probe_every
+        self.wide = wide_windows()
+        if max_probe_gap is None:
+            max_probe_gap = WIDE_PROBE_GAP if self.wide else PROBE_GAP
         self.max_probe_gap = max_probe_gap
+        self.full_decay = full_decay
         self._probe_gap = probe_every
         self.remeasure_every = remeasure_every
         self.successes, self.failures = 2.0, 0.5  # prior: p = 0.8, worth ~2.5 cycles
@@ -203,7 +219,6 @@ class VerifyWindow:
         self.cycles = 0
         self._since_draft = 0  # cycles without the model's draft since its last one
         self._since_step = 0  # draft and copy cycles since the last timed plain step
-        self.wide = wide_windows()
         # windows re-chosen from the draft's confidence (see the module doc): the model's window only
         self.confident = confidence_windows() and self.fixed is None and not self.wide
         # wide windows: tokens per whole-block draft cycle, a decayed mean (prior: the geometric
@@ -374,8 +389,8 @@ class VerifyWindow:
         self.successes = self.successes * self.decay + accepted
         self.failures = self.failures * self.decay + (1 if accepted < window - 1 else 0)
         if window == self.block_size:
-            self._full_n = self._full_n * self.decay + 1.0
-            self._full_sum = self._full_sum * self.decay + accepted + 1.0
+            self._full_n = self._full_n * self.full_decay + 1.0
+            self._full_sum = self._full_sum * self.full_decay + accepted + 1.0
             self._full_seen = True
         if (self.fixed is None and seconds is not None and self.step_s
                 and self._draft_cycles > 1):

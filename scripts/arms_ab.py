@@ -15,7 +15,9 @@ arm is NAME:KEY=VALUE,...; the keys:
     conf=0|1    the draft's confidence chooses a drafted whole block's window (greedy, without
                 wide windows; DFLASH_WINDOW_CONFIDENCE, engine/window.py; off by default)
     gap=N       the longest gap between probes while "auto" decodes plainly (VerifyWindow's
-                max_probe_gap, 128 as shipped): a rule's parameter tried before it is changed
+                max_probe_gap; as shipped 16 with wide windows, 128 without)
+    fdecay=F    the decay of the wide rule's mean of tokens per whole-block cycle (VerifyWindow's
+                full_decay, 0.97 as shipped; 0.9 before session 22)
     fast=0|1    RoPE and RMSNorm in fewer CPU kernels (engine/cpufast.py, on by default on a CPU;
                 the same bits either way, only the speed differs)
     fuse=0|1    q/k/v and gate/up as one product each (engine/fuse.py; installed at load on a GPU,
@@ -54,8 +56,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 BASELINE = "mlx-lm"
-KEYS = ("cut", "window", "copy", "wide", "conf", "gap", "fast", "fuse", "draft")
-ENV_NOTED = ("MLX_CUDA_USE_CUDNN_SDPA", "DFLASH_VERIFY_ATTN", "DFLASH_PIPELINE", "DFLASH_BRANCHES",
+KEYS = ("cut", "window", "copy", "wide", "conf", "gap", "fdecay", "fast", "fuse", "draft")
+WINDOW_KEYS = {"gap": "max_probe_gap", "fdecay": "full_decay"}  # arm key -> VerifyWindow argument
+ENV_NOTED = ("MLX_CUDA_USE_CUDNN_SDPA", "MLX_USE_CUDA_GRAPHS", "DFLASH_VERIFY_ATTN", "DFLASH_PIPELINE", "DFLASH_BRANCHES",
              "DFLASH_SHORT_BLOCK", "DFLASH_DRAFT_VOCAB", "DFLASH_WINDOW_WIDE", "DFLASH_WINDOW_CONFIDENCE",
              "DFLASH_FUSE", "DFLASH_CPU_FAST")
 
@@ -83,6 +86,13 @@ def parse_arm(spec: str) -> Arm:
             settings[key] = _int(spec, value, 0)
         elif key == "gap":
             settings[key] = _int(spec, value, 1)
+        elif key == "fdecay":
+            try:
+                settings[key] = float(value)
+            except ValueError:
+                settings[key] = -1.0
+            if not 0.0 < settings[key] < 1.0:
+                raise ValueError(f"arm {spec!r}: {value!r} must be a number between 0 and 1")
         elif key == "draft":
             if not value:
                 raise ValueError(f"arm {spec!r}: draft= needs a directory")
@@ -149,8 +159,9 @@ def _generate(pair, arm: Arm | None, ids: list[int], max_tokens: int,
             os.environ[name] = "1" if arm.settings[key] else "0"
         cpufast.ON = arm.settings.get("fast", True)
         fuse.ON = arm.settings.get("fuse", True)
-        if "gap" in arm.settings:  # the loop builds its VerifyWindow by this module-level name
-            generate_mod.VerifyWindow = functools.partial(VerifyWindow, max_probe_gap=arm.settings["gap"])
+        rule = {arg: arm.settings[key] for key, arg in WINDOW_KEYS.items() if key in arm.settings}
+        if rule:  # the loop builds its VerifyWindow by this module-level name
+            generate_mod.VerifyWindow = functools.partial(VerifyWindow, **rule)
         out, rec = run_dflash(pair, drafter, ids, max_tokens,
                               window=arm.settings.get("window", "auto"),
                               copy_draft=arm.settings.get("copy", True), teacher=teacher)

@@ -16,7 +16,8 @@ linux_only = pytest.mark.skipif(sys.platform == "darwin", reason="no CUDA switch
 
 def _env(**overrides: str | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if k not in (accel.CUDNN_SDPA, accel.SDPA_SOURCE, accel.MARK)}
+           if k not in (accel.CUDNN_SDPA, accel.SDPA_SOURCE, accel.CUDA_GRAPHS, accel.GRAPHS_SOURCE,
+                        accel.MARK)}
     for k, v in overrides.items():
         if v is not None:
             env[k] = v
@@ -26,15 +27,19 @@ def _env(**overrides: str | None) -> dict[str, str]:
 @linux_only
 def test_cuda_switch_only_when_the_user_left_it_unset() -> None:
     env: dict[str, str] = {}
-    assert accel.cuda_env(env) == {accel.CUDNN_SDPA: "0", accel.SDPA_SOURCE: "dflash"}
-    assert accel.use_mlx_sdpa(env) and env[accel.CUDNN_SDPA] == "0"
+    assert accel.cuda_env(env) == {accel.CUDNN_SDPA: "0", accel.SDPA_SOURCE: "dflash",
+                                   accel.CUDA_GRAPHS: "0", accel.GRAPHS_SOURCE: "dflash"}
+    assert accel.use_cuda_env(env) and env[accel.CUDNN_SDPA] == env[accel.CUDA_GRAPHS] == "0"
     assert accel.sdpa_setting(env) == {"value": "0", "set_by": "dflash"}
-    assert not accel.use_mlx_sdpa(env)  # already set: nothing more
+    assert accel.setting(accel.CUDA_GRAPHS, env) == {"value": "0", "set_by": "dflash"}
+    assert not accel.use_cuda_env(env)  # already set: nothing more
 
-    user = {accel.CUDNN_SDPA: "1"}
-    assert accel.cuda_env(user) == {}
-    assert not accel.use_mlx_sdpa(user) and user == {accel.CUDNN_SDPA: "1"}
-    assert accel.sdpa_setting(user) == {"value": "1", "set_by": "user"}
+    user = {accel.CUDNN_SDPA: "1"}  # the user chose one switch: dflash sets only the other
+    assert accel.cuda_env(user) == {accel.CUDA_GRAPHS: "0", accel.GRAPHS_SOURCE: "dflash"}
+    both = {accel.CUDNN_SDPA: "1", accel.CUDA_GRAPHS: "1"}
+    assert not accel.use_cuda_env(both) and both == {accel.CUDNN_SDPA: "1", accel.CUDA_GRAPHS: "1"}
+    assert accel.sdpa_setting(both) == {"value": "1", "set_by": "user"}
+    assert accel.setting(accel.CUDA_GRAPHS, both) == {"value": "1", "set_by": "user"}
     assert accel.sdpa_setting({}) == {"value": None, "set_by": None}
 
 
@@ -43,7 +48,13 @@ def test_describe_reports_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(accel.MARK, "mkl (x)")
     monkeypatch.setenv(accel.CUDNN_SDPA, "0")
     monkeypatch.setenv(accel.SDPA_SOURCE, "dflash")
+    monkeypatch.delenv(accel.CUDA_GRAPHS, raising=False)
     assert accel.describe() == f"mkl (x); {accel.CUDNN_SDPA}=0 (set by dflash)"
+    monkeypatch.setenv(accel.CUDA_GRAPHS, "0")
+    monkeypatch.setenv(accel.GRAPHS_SOURCE, "dflash")
+    assert accel.describe() == (f"mkl (x); {accel.CUDNN_SDPA}=0 (set by dflash); "
+                                f"{accel.CUDA_GRAPHS}=0 (set by dflash)")
+    monkeypatch.delenv(accel.CUDA_GRAPHS)
     monkeypatch.delenv(accel.SDPA_SOURCE)
     monkeypatch.setenv(accel.CUDNN_SDPA, "1")
     assert accel.describe().endswith(f"{accel.CUDNN_SDPA}=1 (set by user)")
@@ -60,17 +71,19 @@ def _run(code: str, env: dict[str, str], cwd: Path, module: str | None = None) -
 @linux_only
 def test_import_sets_it_before_mlx_is_imported(tmp_path: Path) -> None:
     code = ("import sys, os; import dflash.engine; "
-            "print(os.environ.get('MLX_CUDA_USE_CUDNN_SDPA'), 'mlx.core' in sys.modules)")
-    assert _run(code, _env(), tmp_path) == "0 True"
-    assert _run(code, _env(MLX_CUDA_USE_CUDNN_SDPA="1"), tmp_path) == "1 True"
+            "print(os.environ.get('MLX_CUDA_USE_CUDNN_SDPA'), os.environ.get('MLX_USE_CUDA_GRAPHS'),"
+            " 'mlx.core' in sys.modules)")
+    assert _run(code, _env(), tmp_path) == "0 0 True"
+    assert _run(code, _env(MLX_CUDA_USE_CUDNN_SDPA="1", MLX_USE_CUDA_GRAPHS="1"), tmp_path) == "1 1 True"
     # the value is in place when mlx is first imported (engine/__init__ applies it first thing)
     code = ("import os, sys\n"
             "class Spy:\n"
             "    def find_spec(self, name, path=None, target=None):\n"
-            "        if name == 'mlx': print('at mlx import:', os.environ.get('MLX_CUDA_USE_CUDNN_SDPA'))\n"
+            "        if name == 'mlx': print('at mlx import:', os.environ.get('MLX_CUDA_USE_CUDNN_SDPA'),"
+            " os.environ.get('MLX_USE_CUDA_GRAPHS'))\n"
             "sys.meta_path.insert(0, Spy())\n"
             "import dflash.engine\n")
-    assert _run(code, _env(), tmp_path) == "at mlx import: 0"
+    assert _run(code, _env(), tmp_path) == "at mlx import: 0 0"
 
 
 @linux_only
@@ -82,12 +95,13 @@ def test_reexecuted_child_inherits_it(tmp_path: Path, blas: str) -> None:
         "from dflash.engine import accel\n"
         "accel.maybe_reexec(module='probe')\n"
         "print(os.environ.get('MLX_CUDA_USE_CUDNN_SDPA'), os.environ.get('DFLASH_CUDNN_SDPA_SET_BY'),"
+        " os.environ.get('MLX_USE_CUDA_GRAPHS'),"
         " 'LD_PRELOAD' in os.environ and 'mkl' in os.environ['LD_PRELOAD'])\n"
     )
     env = _env(DFLASH_BLAS=blas)
     env.pop("LD_PRELOAD", None)
-    value, source, preloaded = _run("", env, tmp_path, "probe").split()
-    assert (value, source) == ("0", "dflash")
+    value, source, graphs, preloaded = _run("", env, tmp_path, "probe").split()
+    assert (value, source, graphs) == ("0", "dflash", "0")
     assert preloaded == str(blas == "auto" and accel.find_mkl() is not None)
-    value, source, _ = _run("", dict(env, MLX_CUDA_USE_CUDNN_SDPA="1"), tmp_path, "probe").split()
-    assert (value, source) == ("1", "None")
+    value, source, graphs, _ = _run("", dict(env, MLX_CUDA_USE_CUDNN_SDPA="1"), tmp_path, "probe").split()
+    assert (value, source, graphs) == ("1", "None", "0")

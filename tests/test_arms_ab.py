@@ -31,10 +31,12 @@ def test_arms_parse_and_bad_specs_say_what_is_wrong():
     assert mod.parse_arm("narrow:wide=0").settings == {"wide": False}
     assert mod.parse_arm("m:conf=0,wide=0").settings == {"conf": False, "wide": False}
     assert mod.parse_arm("g:gap=32").settings == {"gap": 32}
+    assert mod.parse_arm("old:gap=128,fdecay=0.9").settings == {"gap": 128, "fdecay": 0.9}
     assert mod.parse_arm("s:fast=0").settings == {"fast": False}
     for bad, why in (("cut:cut=-1", "integer >= 0"), ("w:window=1", ">= 2"), ("x:rows=2", "not one of"),
                      (":cut=2", "NAME:KEY"), ("mlx-lm:cut=2", "NAME:KEY"), ("c:copy=2", "<= 1"),
-                     ("c:cut", "not one of"), ("d:draft=", "needs a directory"), ("c:conf=3", "<= 1"), ("g:gap=0", ">= 1"), ("f:fast=2", "<= 1")):
+                     ("c:cut", "not one of"), ("d:draft=", "needs a directory"), ("c:conf=3", "<= 1"), ("g:gap=0", ">= 1"), ("f:fast=2", "<= 1"),
+                     ("d:fdecay=1", "between 0 and 1"), ("d:fdecay=x", "between 0 and 1")):
         with pytest.raises(ValueError, match=why):
             mod.parse_arm(bad)
 
@@ -108,13 +110,15 @@ def test_a_gap_arm_sets_the_probe_gap_for_its_own_generations_only(pairs, monkey
 
     def spy(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
-        gaps.append(self.max_probe_gap)
+        gaps.append((self.max_probe_gap, self.full_decay))
 
     monkeypatch.setattr(window_mod.VerifyWindow, "__init__", spy)
+    monkeypatch.delenv("DFLASH_WINDOW_WIDE", raising=False)
     ids = pair.tokenizer.encode("The quick brown fox jumps")
-    for spec in ("g:gap=16", "plain"):
+    for spec in ("g:gap=16", "plain", "d:fdecay=0.8", "w:wide=1"):
         mod._generate(pair, mod.parse_arm(spec), ids, 8)
-    assert gaps == [16, 128] and generate_mod.VerifyWindow is window_mod.VerifyWindow
+    assert gaps == [(16, 0.97), (128, 0.97), (128, 0.8), (16, 0.97)]  # wide windows: gap 16 as shipped
+    assert generate_mod.VerifyWindow is window_mod.VerifyWindow
 
 
 def test_teach_times_every_arm_on_mlx_lms_text(pairs, monkeypatch):

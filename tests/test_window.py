@@ -296,14 +296,14 @@ def test_wide_windows_follow_the_measured_whole_block_rate_and_recover(monkeypat
     assert [k for k in ks[5:] if k > 1] and set(k for k in ks[5:] if k > 1) == {16}
     assert w.full_tokens > 12
     ks = _run(w, 200, lambda k: 0, draft_cost=2.0)  # nothing accepted: plain steps, whole-block probes
-    assert ks[-100:].count(1) >= 95 and set(ks[-100:]) <= {1, 16}
+    assert ks[-100:].count(1) >= 90 and set(ks[-100:]) <= {1, 16}  # a probe at most 16 steps apart
     assert w.full_tokens < 2 and w.best()[1] < 1.0  # a whole block no longer pays
     ks = _run(w, 300, lambda k: k - 1, draft_cost=2.0)  # predictable again: back to whole blocks
     assert ks[-50:].count(16) >= 45
     m = WindowMemory()
     w.remember(m)
     assert m.full_tokens == w.full_tokens > 12
-    assert VerifyWindow(16, "auto", memory=m).full_tokens == m.full_tokens
+    assert VerifyWindow(16, "auto", memory=m).full_tokens == pytest.approx(m.full_tokens)
 
 
 def test_the_drafts_confidence_chooses_a_drafted_blocks_window(monkeypatch) -> None:
