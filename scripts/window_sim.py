@@ -102,15 +102,16 @@ def trace_answers(pair, drafter, prompts: list[list[int]], max_tokens: int,
 
 def simulate(acc: list[int], policy: str | int, wide: bool = True, slope: float | None = 0.055,
              d: float = 0.6, cpu: bool = False, confidence: list[list[float]] | None = None,
-             short_max: int = 0, prior: str | None = None, max_probe_gap: int | None = None) -> dict:
+             short_max: int = 0, prior: str | None = None, max_probe_gap: int | None = None,
+             full_decay: float | None = None) -> dict:
     """One answer under one VerifyWindow policy ("auto", "full" or k): the cycles after the first
     answer token (the prefill's), each at anchor position pos taking min(a(pos), k-1) drafts.
     `confidence` (the trace's): where the policy drafts the whole block to let the draft's
     confidence choose the window (window.py), it does; `short_max`: windows up to it draft a
     block cut to k rows, at half the draft's cost (SHORT_D_PRIOR). `prior` ("c,d"): the
     window's verify-cost prior (default: the engine's own for the GPU, or the CPU's table);
-    `max_probe_gap`: the longest gap between probes while "auto" decodes plainly (default: the
-    engine's)."""
+    `max_probe_gap`: the longest gap between probes while "auto" decodes plainly, `full_decay`:
+    the decay of the wide rule's mean of tokens per whole-block cycle (defaults: the engine's)."""
     from dflash.engine.window import DEFAULT_COSTS, SHORT_D_PRIOR, VerifyWindow
 
     saved = {k: os.environ.get(k) for k in ("DFLASH_WINDOW_WIDE", "DFLASH_VERIFY_COST",
@@ -124,8 +125,9 @@ def simulate(acc: list[int], policy: str | int, wide: bool = True, slope: float 
     else:
         os.environ["DFLASH_VERIFY_COST"] = ",".join(str(x) for x in DEFAULT_COSTS["gpu"])
     try:
-        gap = {} if max_probe_gap is None else {"max_probe_gap": max_probe_gap}
-        w = VerifyWindow(16, policy, short_max=short_max, **gap)
+        rule = {k: v for k, v in (("max_probe_gap", max_probe_gap), ("full_decay", full_decay))
+                if v is not None}
+        w = VerifyWindow(16, policy, short_max=short_max, **rule)
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
@@ -189,6 +191,8 @@ def main() -> None:
     s.add_argument("--prior", default=None, help="the window's verify-cost prior C,D (default: the engine's)")
     s.add_argument("--max-probe-gap", type=int, default=None,
                    help="auto: the longest gap between probes of plain decoding (default: the engine's)")
+    s.add_argument("--full-decay", type=float, default=None,
+                   help="auto, wide: the decay of the mean tokens per whole-block cycle (default: the engine's)")
     s.add_argument("--zeros", type=int, default=0,
                    help="also replay an answer of this many tokens where no draft is ever accepted "
                         "(acceptance 0: what auto costs against plain decoding)")
@@ -213,7 +217,7 @@ def main() -> None:
                 name = "auto" if pol.startswith("auto") else pol if pol == "full" else int(pol)
                 r = simulate(t["accepted"], name, pol == "auto-wide", a.slope, a.d, a.cpu,
                              t.get("confidence") if pol == "auto-conf" else None, a.short_max,
-                             a.prior, a.max_probe_gap)
+                             a.prior, a.max_probe_gap, a.full_decay)
             speeds.append(r["tokens"] / r["time"])  # tokens per plain-step time: the speedup
             plains += r["plain"] or 0
         gm = statistics.geometric_mean(speeds)

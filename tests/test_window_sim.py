@@ -84,3 +84,13 @@ def test_a_shorter_probe_gap_probes_more_where_nothing_is_accepted():
     assert eager["plain"] < slow["plain"] < 400  # more probes (draft cycles), fewer plain steps
     assert eager["tokens"] / eager["time"] < slow["tokens"] / slow["time"] < 1.0
 
+
+
+def test_a_longer_memory_of_whole_blocks_rides_out_a_short_run_of_misses():
+    """Wide windows: a few cycles that accept nothing inside a predictable answer send a
+    ~10-cycle mean of tokens per whole block below the bar; a ~33-cycle mean stays above it."""
+    mod = _module()
+    acc = [2] * 120 + [0] * 8 + [2] * 300  # 3 tokens a 2-step cycle: whole blocks pay 1.5x
+    short, long = (mod.simulate(acc, "auto", slope=0, d=1.0, full_decay=f) for f in (0.9, 0.97))
+    assert long["plain"] < short["plain"]
+    assert long["tokens"] / long["time"] > short["tokens"] / short["time"]
