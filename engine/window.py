@@ -46,8 +46,10 @@ failed to lift it doubled the plain stretch, up to 128 steps, half a 256-token a
 mlx-lm's own texts (session 22, H200 bf16, `scripts/arms_ab.py --teach`, 16 prompts x 3 rounds,
 48 pairs): the whole block every cycle ran 1.091x (1.041-1.143) of that rule, probes at most 16
 apart 1.040x (0.996-1.086). So wide windows now remember ~33 whole-block cycles (`full_decay`
-0.97) and probe at most 16 plain steps apart (WIDE_PROBE_GAP; at acceptance 0 a whole-block
-probe every 17 tokens costs ~5% of plain decoding on the H200).
+0.97) and probe at most 16 plain steps apart (WIDE_PROBE_GAP). Replayed on fixed texts at 2.0-
+and 2.7-step cycles (scripts/window_sim.py) the pair is at or above both the old rule and the
+whole block, and where nothing is accepted it runs 0.90-0.92 of plain decoding (the old rule
+0.96: a whole-block probe every 17 tokens instead of every 129).
 
 Windows chosen by the draft's confidence (opt-in: DFLASH_WINDOW_CONFIDENCE=1, where "auto" uses
 the model's window): when the model's window needs the whole block drafted anyway (k >
