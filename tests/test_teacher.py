@@ -62,3 +62,14 @@ def test_a_teacher_is_for_greedy_runs_only(pairs):
     ids = pair.tokenizer.encode("hello")
     with pytest.raises(ValueError, match="greedy"):
         run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, 8, temperature=0.7, teacher=[5, 6])
+
+
+def test_the_first_token_is_the_teachers_too(pairs):
+    """The prefill's token (handed out before any cycle) follows the teacher as well."""
+    pair = pairs("llama")
+    ids = pair.tokenizer.encode("hello world")
+    greedy = greedy_reference(pair.target.model, ids, 1)[0]
+    eos = set(pair.tokenizer.eos_token_ids)
+    teacher = [t for t in range(30, 60) if t != greedy and t not in eos][:12]
+    fin, events = run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, 12, teacher=teacher)
+    assert fin.token_ids == teacher and events[0].token_ids[0] == teacher[0]
