@@ -68,6 +68,8 @@ def verify(
     >= 0, a teacher's ids stand in for the target's choices (generate.py's `teacher`: timing
     runs on a fixed text; the target's pass and argmax still run, so the cost is a real cycle's).
     """
+    if forced is not None and sampling is not None:  # before the pass: the caches stay as they were
+        raise ValueError("a teacher's ids stand in for greedy choices only")
     if drafts.ndim == 2:
         if sampling is not None or record_tape:
             raise ValueError("several draft rows are verified greedily over KV caches only")
@@ -86,8 +88,6 @@ def verify(
         tokens = taught(mx.argmax(logits[0], axis=-1).astype(mx.int32), forced)
         if not plain:
             accepted = greedy_accept(drafts, tokens)
-    elif forced is not None:
-        raise ValueError("a teacher's ids stand in for greedy choices only")
     elif plain:  # one draw from p
         tokens = sampling_mod.sample(logits[0], sampling, key)
     else:
