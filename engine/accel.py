@@ -87,10 +87,6 @@ def setting(name: str, env: dict | None = None) -> dict[str, str | None]:
     return {"value": value, "set_by": env.get(CUDA_SETTINGS[name][1]) or "user"}
 
 
-def sdpa_setting(env: dict | None = None) -> dict[str, str | None]:
-    """setting() of MLX_CUDA_USE_CUDNN_SDPA."""
-    return setting(CUDNN_SDPA, env)
-
 
 def find_mkl(prefix: str | Path | None = None) -> Path | None:
     """The real path of libmkl_rt.so.{2,3} inside the environment's lib dir, if installed."""

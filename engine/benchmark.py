@@ -604,7 +604,7 @@ def method(cfg: BenchConfig, setup: Setup, runs: list[dict], first_time_used: bo
                      "each repeat's dflash/baseline ratio",
         "order": "alternating baseline/dflash per repeat",
         "cooldown_s": cfg.cooldown,
-        "mlx_cuda_use_cudnn_sdpa": accel.sdpa_setting(),
+        "mlx_cuda_use_cudnn_sdpa": accel.setting(accel.CUDNN_SDPA),
         "mlx_use_cuda_graphs": accel.setting(accel.CUDA_GRAPHS),
         "verify_attention": setup.target.verify_attention,  # engine/verifyattn.py: mlx, kernel, fastexp
         "pipelined": setup.target.pipelined,  # DFLASH_PIPELINE: verifies queued layer group by group
@@ -662,8 +662,7 @@ def run_benchmark(cfg: BenchConfig, log: Log = print) -> tuple[dict, Path]:
     log(f"== dflash benchmark | MODE: {mode_line}")
     log(f"== {setup.description} | dtype {setup.dtype} | device {mx.default_device()} | "
         f"block {setup.block_size} | setup {time.perf_counter() - t_setup:.1f} s | "
-        f"{accel.CUDNN_SDPA}={accel.sdpa_setting()['value']} | "
-        f"{accel.CUDA_GRAPHS}={accel.setting(accel.CUDA_GRAPHS)['value']}")
+        + " | ".join(f"{name}={accel.setting(name)['value']}" for name in accel.CUDA_SETTINGS))
 
     bench = Bench(setup, cfg, log, text)
     fresh = cfg.first_time_lengths and not cfg.chat

@@ -30,7 +30,7 @@ def test_cuda_switch_only_when_the_user_left_it_unset() -> None:
     assert accel.cuda_env(env) == {accel.CUDNN_SDPA: "0", accel.SDPA_SOURCE: "dflash",
                                    accel.CUDA_GRAPHS: "0", accel.GRAPHS_SOURCE: "dflash"}
     assert accel.use_cuda_env(env) and env[accel.CUDNN_SDPA] == env[accel.CUDA_GRAPHS] == "0"
-    assert accel.sdpa_setting(env) == {"value": "0", "set_by": "dflash"}
+    assert accel.setting(accel.CUDNN_SDPA, env) == {"value": "0", "set_by": "dflash"}
     assert accel.setting(accel.CUDA_GRAPHS, env) == {"value": "0", "set_by": "dflash"}
     assert not accel.use_cuda_env(env)  # already set: nothing more
 
@@ -38,9 +38,9 @@ def test_cuda_switch_only_when_the_user_left_it_unset() -> None:
     assert accel.cuda_env(user) == {accel.CUDA_GRAPHS: "0", accel.GRAPHS_SOURCE: "dflash"}
     both = {accel.CUDNN_SDPA: "1", accel.CUDA_GRAPHS: "1"}
     assert not accel.use_cuda_env(both) and both == {accel.CUDNN_SDPA: "1", accel.CUDA_GRAPHS: "1"}
-    assert accel.sdpa_setting(both) == {"value": "1", "set_by": "user"}
+    assert accel.setting(accel.CUDNN_SDPA, both) == {"value": "1", "set_by": "user"}
     assert accel.setting(accel.CUDA_GRAPHS, both) == {"value": "1", "set_by": "user"}
-    assert accel.sdpa_setting({}) == {"value": None, "set_by": None}
+    assert accel.setting(accel.CUDNN_SDPA, {}) == {"value": None, "set_by": None}
 
 
 @linux_only
