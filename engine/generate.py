@@ -378,7 +378,9 @@ def stream_dflash_generate(
     stats.mean_verify_window = verified_tokens / max(stats.cycles, 1)
     stats.total_s = t_end - t_start
     stats.decode_tps = (stats.generated_tokens - 1) / max(t_end - t_first, 1e-9)
-    step_s = window.plain_step_mean or window.step_s
+    # against this run's own pipelined plain steps only: the policy's median (step_s) also holds
+    # unpipelined steps after draft cycles, which cost more and would flatter the estimate
+    step_s = window.plain_step_mean
     if step_s and stats.generated_tokens > 1:
         stats.est_speedup = stats.decode_tps * step_s
     stats.peak_memory_gb = _peak_memory_gb()

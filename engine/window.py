@@ -157,6 +157,7 @@ PRIOR_WEIGHT = 2.5  # cycles' worth of a remembered acceptance (as much as the b
 PROBE_GAP = 128  # the longest run of plain steps between probes (narrow windows: a CPU's)
 WIDE_PROBE_GAP = 16  # the same with wide windows (a GPU's), where whole blocks pay most
 FULL_DECAY = 0.97  # the memory of tokens per whole-block cycle (wide windows): ~33 cycles
+MIN_PLAIN_SAMPLES = 3  # pipelined plain steps a run needs before it estimates its speedup
 
 
 @dataclass
@@ -275,9 +276,13 @@ class VerifyWindow:
 
     @property
     def plain_step_mean(self) -> float | None:
-        """Mean seconds of this run's pipelined plain steps (None before one): what a token of
-        plain decoding costs here, the VM's stalls included as they hit every cycle alike."""
-        return self._plain_total / self._plain_count if self._plain_count else None
+        """Mean seconds of this run's pipelined plain steps: what a token of plain decoding costs
+        here, the VM's stalls included as they hit every cycle alike. None below
+        MIN_PLAIN_SAMPLES of them: one or two steps queued right behind another measure the
+        overlap more than the step (session 23's demo read "~0.27x" from one such step)."""
+        if self._plain_count < MIN_PLAIN_SAMPLES:
+            return None
+        return self._plain_total / self._plain_count
 
     @property
     def full_tokens(self) -> float:

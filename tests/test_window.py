@@ -74,6 +74,7 @@ def test_the_speedup_estimate_uses_the_mean_of_pipelined_plain_steps() -> None:
     w.observe(1, 0, 5 * STEP)  # the first: not pipelined
     for s in (STEP, 3 * STEP):  # a stall counts in the mean (not in the median of the policy)
         w.observe(1, 0, s)
+    assert w.plain_step_mean is None  # two pipelined steps are not an estimate yet
     w.observe(4, 0, 6 * STEP)  # a draft cycle
     w.observe(1, 0, 9 * STEP)  # right after it: not pipelined
     w.observe(3, 2, 2 * STEP, copied=True)  # a copy cycle
