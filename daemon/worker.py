@@ -489,8 +489,8 @@ def _job_row(job: Job, jobs: JobQueue) -> dict[str, Any]:
 
 def _pair_notes(pair: Any) -> str:
     """The loaded pair's speed settings for the status line: few-row padding (engine/rowpad.py),
-    RoPE / RMSNorm in fewer CPU kernels (engine/cpufast.py), fused and few-row products
-    (engine/fuse.py, engine/skinny.py), draft rows per verify (engine/branches.py), cut draft blocks (engine/drafters.py), wide
+    RoPE / RMSNorm in fewer CPU kernels (engine/cpufast.py),
+    draft rows per verify (engine/branches.py), cut draft blocks (engine/drafters.py), wide
     or confidence-chosen verify windows (engine/window.py) and the draft's proposal vocabulary (engine/draftvocab.py)."""
     if pair is None:
         return ""
@@ -499,8 +499,6 @@ def _pair_notes(pair: Any) -> str:
         notes += "; RoPE and RMSNorm in fewer CPU kernels"
     if pair.target.fused:
         notes += "; q/k/v and gate/up as one product each"
-    if pair.target.skinny:
-        notes += "; few-row products in our kernel"
     if pair.target.branches > 1:
         notes += f"; {pair.target.branches} draft rows a greedy verify"
     if pair.drafter.short_max:

@@ -625,11 +625,6 @@ def method(cfg: BenchConfig, setup: Setup, runs: list[dict], first_time_used: bo
                            "what": "dflash's own forwards run each attention's q/k/v and each "
                                    "MLP's gate/up as one product (groups fused; a GPU's default); "
                                    "mlx-lm's baseline runs them one by one"},
-        # engine/skinny.py: a GPU's 2..16-row products in our kernel, not cuBLASLt
-        "skinny_products": {"dflash": setup.target.skinny, "baseline": 0,
-                            "what": "dflash's own forwards run their 2..16-row bf16/fp16 products "
-                                    "(not the LM head) in one kernel of ours instead of cuBLASLt "
-                                    "(a CUDA GPU's default); mlx-lm's baseline runs MLX's"},
         "draft_vocab": (len(setup.draft_vocab) if setup.draft_vocab else None),  # engine/draftvocab.py: None = all
         # engine/drafters.py: windows up to this many tokens draft from a cut block (0: never)
         "short_block_max": (short_block_max(setup.draft_model.config)

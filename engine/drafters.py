@@ -16,7 +16,7 @@ from typing import Any, Protocol, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from . import branches, cpufast, fuse, skinny
+from . import branches, cpufast, fuse
 from . import sampling as sampling_mod
 from . import verifyattn
 from .draft import DFlashDraft
@@ -114,8 +114,6 @@ class DFlashDrafter:
         # q/k/v and gate/up as one product each (a GPU's default), and with them every layer's
         # context K/V products as one (fuse.py)
         self.context_kv = fuse.context_stack(draft) if fuse.install(draft) else None
-        # its few-row products in a kernel of ours, not cuBLASLt (skinny.py; CUDA)
-        skinny.install(draft, extra=(self.context_kv.stacked,) if self.context_kv else ())
 
     def reset(self, positioned: bool = False) -> None:
         if positioned:

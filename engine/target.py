@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from . import branches, cpufast, fuse, rowpad, skinny, tape, verifyattn
+from . import branches, cpufast, fuse, rowpad, tape, verifyattn
 
 _CAPTURE_CLASSES: dict[type, type] = {}
 PIPELINE_ENV = "DFLASH_PIPELINE"
@@ -134,8 +134,6 @@ class TargetModel:
         self.cpu_fast = cpufast.install(model)
         # q/k/v and gate/up as one product each (fuse.py; a GPU's default); our forwards only
         self.fused = fuse.install(model)
-        # their few-row products (a verify's) in a kernel of ours, not cuBLASLt (skinny.py; CUDA)
-        self.skinny = skinny.install(model)
 
     @property
     def row_padding(self) -> bool:

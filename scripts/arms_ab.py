@@ -22,8 +22,6 @@ arm is NAME:KEY=VALUE,...; the keys:
                 the same bits either way, only the speed differs)
     fuse=0|1    q/k/v and gate/up as one product each (engine/fuse.py; installed at load on a GPU,
                 or anywhere with DFLASH_FUSE=1; the same bits either way)
-    skinny=0|1  a GPU's 2..16-row products in our kernel instead of cuBLASLt (engine/skinny.py;
-                installed at load on a CUDA GPU; fp32 sums in another order than cuBLAS's)
     draft=DIR   another draft for the same target (loaded once per directory), e.g. a candidate
                 beside the bundled one
 Unset keys keep the loaded pair's defaults. `--baseline` adds mlx-lm's own decoding of the same
@@ -58,11 +56,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 BASELINE = "mlx-lm"
-KEYS = ("cut", "window", "copy", "wide", "conf", "gap", "fdecay", "fast", "fuse", "skinny", "draft")
+KEYS = ("cut", "window", "copy", "wide", "conf", "gap", "fdecay", "fast", "fuse", "draft")
 WINDOW_KEYS = {"gap": "max_probe_gap", "fdecay": "full_decay"}  # arm key -> VerifyWindow argument
 ENV_NOTED = ("MLX_CUDA_USE_CUDNN_SDPA", "MLX_USE_CUDA_GRAPHS", "DFLASH_VERIFY_ATTN", "DFLASH_PIPELINE", "DFLASH_BRANCHES",
              "DFLASH_SHORT_BLOCK", "DFLASH_DRAFT_VOCAB", "DFLASH_WINDOW_WIDE", "DFLASH_WINDOW_CONFIDENCE",
-             "DFLASH_FUSE", "DFLASH_CPU_FAST", "DFLASH_SKINNY")
+             "DFLASH_FUSE", "DFLASH_CPU_FAST")
 
 
 @dataclass
@@ -147,7 +145,7 @@ def _generate(pair, arm: Arm | None, ids: list[int], max_tokens: int,
         return run_baseline(pair, ids, max_tokens)
     import functools
 
-    from dflash.engine import cpufast, fuse, skinny
+    from dflash.engine import cpufast, fuse
     from dflash.engine import generate as generate_mod
     from dflash.engine.window import CONFIDENCE_ENV, WIDE_ENV, VerifyWindow
 
@@ -161,7 +159,6 @@ def _generate(pair, arm: Arm | None, ids: list[int], max_tokens: int,
             os.environ[name] = "1" if arm.settings[key] else "0"
         cpufast.ON = arm.settings.get("fast", True)
         fuse.ON = arm.settings.get("fuse", True)
-        skinny.ON = arm.settings.get("skinny", True)
         rule = {arg: arm.settings[key] for key, arg in WINDOW_KEYS.items() if key in arm.settings}
         if rule:  # the loop builds its VerifyWindow by this module-level name
             generate_mod.VerifyWindow = functools.partial(VerifyWindow, **rule)
@@ -170,7 +167,7 @@ def _generate(pair, arm: Arm | None, ids: list[int], max_tokens: int,
                               copy_draft=arm.settings.get("copy", True), teacher=teacher)
     finally:
         generate_mod.VerifyWindow = VerifyWindow
-        cpufast.ON = fuse.ON = skinny.ON = True
+        cpufast.ON = fuse.ON = True
         drafter.short_max = saved
         for name, value in saved_env.items():
             if value is None:
