@@ -279,7 +279,8 @@ class VerifyWindow:
         """Mean seconds of this run's pipelined plain steps: what a token of plain decoding costs
         here, the VM's stalls included as they hit every cycle alike. None below
         MIN_PLAIN_SAMPLES of them: one or two steps queued right behind another measure the
-        overlap more than the step (session 23's demo read "~0.27x" from one such step)."""
+        overlap more than the step (session 23: a code answer's stats line read "~0.27x" from
+        one)."""
         if self._plain_count < MIN_PLAIN_SAMPLES:
             return None
         return self._plain_total / self._plain_count
