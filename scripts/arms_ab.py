@@ -24,6 +24,9 @@ arm is NAME:KEY=VALUE,...; the keys:
                 or anywhere with DFLASH_FUSE=1; the same bits either way)
     draft=DIR   another draft for the same target (loaded once per directory), e.g. a candidate
                 beside the bundled one
+    rows=N      draft rows per greedy verify, 1..8 (engine/branches.py; DFLASH_BRANCHES's value
+                for one arm: the target loads with the most rows any arm asks for, and a target
+                whose verify attention cannot take rows is refused before any run)
 Unset keys keep the loaded pair's defaults. `--baseline` adds mlx-lm's own decoding of the same
 model as an arm ("mlx-lm"), timed with the same clock (engine/benchmark.py), so every arm's
 speedup comes out of the same interleaving. `--warmup` answers the first question by every arm
@@ -56,7 +59,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 BASELINE = "mlx-lm"
-KEYS = ("cut", "window", "copy", "wide", "conf", "gap", "fdecay", "fast", "fuse", "draft")
+KEYS = ("cut", "window", "copy", "wide", "conf", "gap", "fdecay", "fast", "fuse", "draft", "rows")
 WINDOW_KEYS = {"gap": "max_probe_gap", "fdecay": "full_decay"}  # arm key -> VerifyWindow argument
 ENV_NOTED = ("MLX_CUDA_USE_CUDNN_SDPA", "MLX_USE_CUDA_GRAPHS", "DFLASH_VERIFY_ATTN", "DFLASH_PIPELINE", "DFLASH_BRANCHES",
              "DFLASH_SHORT_BLOCK", "DFLASH_DRAFT_VOCAB", "DFLASH_WINDOW_WIDE", "DFLASH_WINDOW_CONFIDENCE",
@@ -86,6 +89,10 @@ def parse_arm(spec: str) -> Arm:
             settings[key] = _int(spec, value, 0)
         elif key == "gap":
             settings[key] = _int(spec, value, 1)
+        elif key == "rows":
+            from dflash.engine.branches import MAX_ROWS
+
+            settings[key] = _int(spec, value, 1, MAX_ROWS)
         elif key == "fdecay":
             try:
                 settings[key] = float(value)
@@ -111,6 +118,32 @@ def _int(spec: str, value: str, low: int, high: int | None = None) -> int:
         raise ValueError(f"arm {spec!r}: {value!r} must be an integer >= {low}"
                          + (f" and <= {high}" if high is not None else ""))
     return n
+
+
+def load_for_arms(model: str, draft: str | None, dtype: str | None, arms: list[Arm]):
+    """The pair, loaded for the most draft rows any arm asks for (rows=N: the target's own check
+    of its verify attention runs at load); arms without rows= keep DFLASH_BRANCHES's count."""
+    from dflash.engine import branches
+    from dflash.engine.loading import load_pair
+
+    base = branches.configure()
+    most = max([base] + [a.settings.get("rows", base) for a in arms])
+    saved = os.environ.get(branches.ENV)
+    os.environ[branches.ENV] = str(most)
+    try:
+        pair = load_pair(model, draft, dtype=dtype)
+    finally:
+        if saved is None:
+            os.environ.pop(branches.ENV, None)
+        else:
+            os.environ[branches.ENV] = saved
+    if pair.target.branches < most:
+        raise ValueError(f"rows={most}: this target verifies one row only here (its verify "
+                         "attention cannot read batched rows; engine/branches.py)")
+    pair.target.branches = base
+    for arm in arms:
+        arm.settings.setdefault("rows", base)
+    return pair
 
 
 def attach_drafters(pair, arms: list[Arm], dtype: str | None) -> None:
@@ -153,8 +186,10 @@ def _generate(pair, arm: Arm | None, ids: list[int], max_tokens: int,
     envs = {key: name for key, name in (("wide", WIDE_ENV), ("conf", CONFIDENCE_ENV))
             if key in arm.settings}
     saved, saved_env = drafter.short_max, {name: os.environ.get(name) for name in envs.values()}
+    saved_rows = pair.target.branches
     try:
         drafter.short_max = arm.settings.get("cut", saved)
+        pair.target.branches = arm.settings.get("rows", saved_rows)
         for key, name in envs.items():
             os.environ[name] = "1" if arm.settings[key] else "0"
         cpufast.ON = arm.settings.get("fast", True)
@@ -169,13 +204,15 @@ def _generate(pair, arm: Arm | None, ids: list[int], max_tokens: int,
         generate_mod.VerifyWindow = VerifyWindow
         cpufast.ON = fuse.ON = True
         drafter.short_max = saved
+        pair.target.branches = saved_rows
         for name, value in saved_env.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
     eng = rec.get("engine_stats", {})
-    rec.update(mean_verify_window=eng.get("mean_verify_window"), plain_steps=eng.get("plain_steps"))
+    rec.update(mean_verify_window=eng.get("mean_verify_window"), plain_steps=eng.get("plain_steps"),
+               branch_rows=eng.get("branch_rows"))
     return out, rec
 
 
@@ -215,7 +252,7 @@ def run(pair, prompts: list[list[int]], arms: list[Arm], rounds: int, max_tokens
                                   **{k: rec.get(k) for k in ("decode_tps", "acceptance",
                                      "tokens_per_cycle", "mean_verify_window", "plain_steps",
                                      "cycles", "copy_cycles", "confidence_windows",
-                                     "run_ahead")}})
+                                     "run_ahead", "branch_rows")}})
             for name in names[1:]:
                 same = got[name] == got[names[0]]
                 res[name][-1]["same_ids"] = same
@@ -293,9 +330,10 @@ def main() -> None:
         arms = [parse_arm(s) for s in (a.arm or ["whole:cut=0", "cut:cut=2"])]
     except ValueError as e:
         ap.error(str(e))
-    from dflash.engine.loading import load_pair
-
-    pair = load_pair(a.model, a.draft, dtype=a.dtype)
+    try:
+        pair = load_for_arms(a.model, a.draft, a.dtype, arms)
+    except ValueError as e:
+        ap.error(str(e))
     attach_drafters(pair, arms, a.dtype)
     prompts = [pair.tokenizer.apply_chat_template([{"role": "user", "content": q}],
                                                   add_generation_prompt=True)

@@ -33,7 +33,8 @@ def test_arms_parse_and_bad_specs_say_what_is_wrong():
     assert mod.parse_arm("g:gap=32").settings == {"gap": 32}
     assert mod.parse_arm("old:gap=128,fdecay=0.9").settings == {"gap": 128, "fdecay": 0.9}
     assert mod.parse_arm("s:fast=0").settings == {"fast": False}
-    for bad, why in (("cut:cut=-1", "integer >= 0"), ("w:window=1", ">= 2"), ("x:rows=2", "not one of"),
+    assert mod.parse_arm("r8:rows=8").settings == {"rows": 8}
+    for bad, why in (("cut:cut=-1", "integer >= 0"), ("w:window=1", ">= 2"), ("x:rows=0", ">= 1"), ("x:rows=9", "<= 8"), ("x:row=2", "not one of"),
                      (":cut=2", "NAME:KEY"), ("mlx-lm:cut=2", "NAME:KEY"), ("c:copy=2", "<= 1"),
                      ("c:cut", "not one of"), ("d:draft=", "needs a directory"), ("c:conf=3", "<= 1"), ("g:gap=0", ">= 1"), ("f:fast=2", "<= 1"),
                      ("d:fdecay=1", "between 0 and 1"), ("d:fdecay=x", "between 0 and 1")):
@@ -143,3 +144,25 @@ def test_teach_times_every_arm_on_mlx_lms_text(pairs, monkeypatch):
         assert all(r["same_ids"] for r in res[name])
     with pytest.raises(ValueError, match="--baseline"):
         mod.run(pair, prompts, arms, rounds=1, max_tokens=4, teach=True)
+
+
+def test_a_rows_arm_verifies_that_many_rows_for_its_own_generations(tiny_dirs, monkeypatch):
+    """rows=N: the pair loads for the most rows asked (DFLASH_BRANCHES restored after), each arm
+    verifies its own count, the output is the same; a target that cannot take rows is refused."""
+    from dflash.engine import branches
+
+    monkeypatch.delenv("DFLASH_BRANCHES", raising=False)
+    mod = _module()
+    arms = [mod.parse_arm(s) for s in ("one", "r4:rows=4")]
+    pair = mod.load_for_arms(str(tiny_dirs["llama"]), str(tiny_dirs["llama"] / "draft"), None, arms)
+    assert "DFLASH_BRANCHES" not in os.environ and pair.target.branches == 1
+    assert [a.settings["rows"] for a in arms] == [1, 4]
+    prompts = [pair.tokenizer.encode(t) for t in ("The quick brown fox jumps", "def add(a, b):")]
+    res = mod.run(pair, prompts, arms, rounds=1, max_tokens=24, baseline=True)
+    assert pair.target.branches == 1  # restored
+    assert all(r["branch_rows"] == 1 and r["same_ids"] for r in res["one"])
+    assert all(r["branch_rows"] == 4 and r["same_ids"] for r in res["r4"])
+    monkeypatch.setattr(branches, "attention_takes_rows", lambda *a: False)
+    with pytest.raises(ValueError, match="one row only"):
+        with pytest.warns(RuntimeWarning):
+            mod.load_for_arms(str(tiny_dirs["llama"]), str(tiny_dirs["llama"] / "draft"), None, arms)

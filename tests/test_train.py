@@ -472,13 +472,13 @@ def test_schedule():
 
 def test_dist_entry_script_with_kl(looping: Path, loop_data: Path, tmp_path: Path):
     """scripts/train_dist.py (what mlx.launch starts on every rank) with size 1, --kl-weight,
-    --miss-anchor-frac, and the GPU's dtypes (bf16 target, bf16 draft maths over fp32 masters)."""
+    --argmax-labels, --miss-anchor-frac, and the GPU's dtypes (bf16 target, bf16 draft maths over fp32 masters)."""
     out = tmp_path / "kl"
     cmd = [sys.executable, str(REPO / "scripts" / "train_dist.py"), "--target", str(looping),
            "--out", str(out), "--data-dir", str(loop_data), "--block-size", "8", "--num-capture", "3",
            "--num-prompts", "20", "--max-new-tokens", "32", "--gen-batch-size", "20", "--max-len", "128",
            "--seqs-per-batch", "2", "--anchors-per-seq", "8", "--total-steps", "12", "--log-every", "3",
-           "--kl-weight", "0.5", "--miss-anchor-frac", "0.5", "--eval-prompts", "2", "--eval-max-tokens", "8",
+           "--kl-weight", "0.5", "--argmax-labels", "--miss-anchor-frac", "0.5", "--eval-prompts", "2", "--eval-max-tokens", "8",
            "--dtype", "bfloat16", "--compute-dtype", "bfloat16"]  # the GPU's dtypes
     env = dict(os.environ, DFLASH_BLAS="none")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
@@ -490,7 +490,9 @@ def test_dist_entry_script_with_kl(looping: Path, loop_data: Path, tmp_path: Pat
     assert log[0]["miss_anchor_share"] == 0 and log[-1]["miss_anchor_share"] > 0, log
     assert "compile + warm-up" in p.stderr and "[eval] overall" in p.stderr
     assert "float32 masters" not in p.stderr and "fp32 masters, bfloat16 compute" in p.stderr
-    assert json.loads((out / "checkpoint" / "trainer.json").read_text())["weights_dtype"] == "bfloat16"
+    trainer = json.loads((out / "checkpoint" / "trainer.json").read_text())
+    assert trainer["weights_dtype"] == "bfloat16" and trainer["sessions"][-1]["argmax_labels"] is True
+    assert "labels the target argmax" in (out / "README.md").read_text()
 
 
 def test_batch_generate_equals_greedy_per_prompt(tiny: Path):
@@ -636,6 +638,35 @@ def test_kl_branch_keeps_the_cross_entropy(tiny: Path):
     assert math.isclose(ce_only[3].item(), with_kl[3].item(), rel_tol=1e-5)
     assert math.isclose(with_kl[0].item(), 0.5 * with_kl[3].item() + 0.5 * with_kl[4].item(), rel_tol=1e-5)
     assert only_kl[4].item() >= 0 and math.isclose(only_kl[0].item(), only_kl[4].item(), rel_tol=1e-6)
+
+
+def test_argmax_labels_are_the_targets_own_choices(tiny: Path):
+    """--argmax-labels: the loss, accuracy and accepted lengths count against the target's argmax
+    at each block row, whatever the data's tokens were: labels made of that argmax by hand give
+    the same numbers, garbage labels change nothing, and without the rows it is an error."""
+    from mlx_lm import load
+
+    from dflash.engine.training.data import FixedBatches, Sample, TokenStore
+    from dflash.engine.training.objective import _head, block_loss, position_weights, target_pass
+
+    model, _ = load(str(tiny))
+    cfg = draft_config_for(TargetModel(model, [0]), 1, 8, 3, num_capture=3)
+    target, draft = TargetModel(model, cfg.target_layer_ids), DFlashDraft(cfg)
+    rng = np.random.default_rng(1)
+    samples = [Sample("k", f"p{i}", list(rng.integers(5, 50, 6)), list(rng.integers(5, 50, 20))) for i in range(4)]
+    b = FixedBatches(TokenStore.from_samples(samples, 32), 4, 3, 8, 32, seed=0, rank=0, world=1).batch(0)
+    feats, rows = target_pass(target, b["tokens"], b["rows"])
+    by_hand = mx.argmax(_head(target, rows), axis=-1).astype(b["labels"].dtype)
+    assert not mx.array_equal(by_hand, b["labels"]).item()  # random data: not the target's choices
+    head = (draft, target, position_weights(8), feats, b["anchor_ids"], b["anchors"])
+    want = block_loss(*head, by_hand, b["valid"])
+    got = block_loss(*head, b["labels"], b["valid"], target_hidden=rows, argmax_labels=True)
+    junk = block_loss(*head, mx.zeros_like(b["labels"]), b["valid"], target_hidden=rows, argmax_labels=True)
+    for w, g, j in zip(want[:4], got[:4], junk[:4]):
+        assert math.isclose(w.item(), g.item(), rel_tol=1e-5) and math.isclose(g.item(), j.item(), rel_tol=1e-6)
+    assert not math.isclose(want[0].item(), block_loss(*head, b["labels"], b["valid"])[0].item(), rel_tol=1e-3)
+    with pytest.raises(ValueError, match="hidden states"):
+        block_loss(*head, b["labels"], b["valid"], argmax_labels=True)
 
 
 def test_early_anchor_frac_puts_that_share_at_the_answers_start():

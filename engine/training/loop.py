@@ -139,6 +139,7 @@ class TrainOptions:
     # the step
     gamma: float | None = None
     kl_weight: float = 0.0
+    argmax_labels: bool = False  # labels: the target's argmax at each block row, not the data's token
     miss_anchor_frac: float = 0.0
     early_anchor_frac: float = 0.0
     early_anchor_window: int = 128
@@ -356,7 +357,8 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
 
     def loss_of(params, *batch):
         draft.update(cast_tree(params, cdt))  # bf16 copies; grads flow back through the cast
-        return block_loss(draft, target, weights_k, *batch, kl_weight=kl_w)
+        return block_loss(draft, target, weights_k, *batch, kl_weight=kl_w,
+                          argmax_labels=opts.argmax_labels)
 
     value_and_grad = mx.value_and_grad(loss_of)
 
@@ -380,7 +382,7 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
                               seq_len, opts.seed, dist.rank, dist.size,
                               opts.early_anchor_frac, opts.early_anchor_window,
                               opts.short_block_frac, opts.short_block_max)
-    need_rows = kl_w > 0
+    need_rows = kl_w > 0 or opts.argmax_labels
     misses = td.MissMemory(opts.miss_anchor_frac) if opts.miss_anchor_frac > 0 else None
     pending: list[tuple[dict, mx.array]] = []  # (batch, accepted per block) for the miss memory
     n_from_misses = [0]
@@ -409,7 +411,7 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
     ema = (trainer or {}).get("running_loss")
     session = {"start_step": step, "world_size": dist.size, "device": str(mx.default_device()),
                "seqs_per_batch": opts.seqs_per_batch, "anchors_per_seq": opts.anchors_per_seq,
-               "kl_weight": kl_w, "miss_anchor_frac": opts.miss_anchor_frac,
+               "kl_weight": kl_w, "argmax_labels": opts.argmax_labels, "miss_anchor_frac": opts.miss_anchor_frac,
                "early_anchor_frac": opts.early_anchor_frac, "early_anchor_window": opts.early_anchor_window,
                "short_block_frac": opts.short_block_frac, "short_block_max": opts.short_block_max, "compute_dtype": str(cdt).split(".")[-1]}
     blocks_per_step = opts.seqs_per_batch * opts.anchors_per_seq * dist.size
@@ -589,6 +591,7 @@ def _cli():
     @click.option("--grad-clip", default=1.0, show_default=True)
     @click.option("--gamma", default=None, type=float, help="Loss decay over block positions (default 7 for B=16).")
     @click.option("--kl-weight", default=0.0, show_default=True, type=click.FloatRange(0, 1), help="loss = (1-a) CE + a KL(target || draft).")
+    @click.option("--argmax-labels", is_flag=True, help="Train on the target's own argmax at every block row (what a greedy verify checks) instead of the data's token (a sampled answer's token is not the argmax 28.5% of the time).")
     @click.option("--miss-anchor-frac", default=0.0, show_default=True, type=click.FloatRange(0, 1), help="Share of anchors placed where the draft's next block would start after a miss (data.MissMemory).")
     @click.option("--early-anchor-frac", default=0.0, show_default=True, type=click.FloatRange(0, 1), help="Share of anchors placed inside the first --early-anchor-window response tokens (where answers start; the rest stay uniform).")
     @click.option("--early-anchor-window", default=128, show_default=True, type=click.IntRange(1), help="Response tokens counted as an answer's start for --early-anchor-frac.")

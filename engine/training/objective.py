@@ -6,9 +6,12 @@ own block, bidirectionally; never another block), so context K/V are computed on
 
 Loss per block position k = 1..B-1 (predicting the token at anchor+k), weighted
 w_k = exp(-(k-1)/gamma) and averaged over valid positions:
-    (1 - a) * CE(data token)  +  a * KL(target || draft)
+    (1 - a) * CE(label)  +  a * KL(target || draft)
 where the target's distribution for position k is the target's own logits at row anchor+k-1 (the
-data are the target's greedy outputs, so CE is the hard-label limit of the same signal).
+data are the target's greedy outputs, so CE is the hard-label limit of the same signal). The label
+is the data's token, or with `argmax_labels` the target's own argmax at that row: what a greedy
+verify checks the draft against, also where the data's answer was sampled (about half the cache;
+28.5% of sampled tokens are not the target's argmax, scripts/label_agreement.py).
 """
 
 from __future__ import annotations
@@ -116,12 +119,15 @@ def block_loss(
     anchor_ids: mx.array, anchors: mx.array, labels: mx.array, valid: mx.array,
     block_lens: mx.array | None = None, target_hidden: mx.array | None = None,
     kl_weight: float = 0.0,
+    argmax_labels: bool = False,
 ) -> tuple[mx.array, ...]:
     """(loss, top-1 accuracy at block position 1, mean accepted length per block, CE, KL,
     accepted drafts per block [S, A]).
 
     target_hidden [S, A, B-1, D]: the target's final hidden states at rows anchor+k-1 (see
-    target_pass); needed only when kl_weight > 0. KL is 0 when it is not computed.
+    target_pass); needed when kl_weight > 0 or with argmax_labels. KL is 0 when it is not
+    computed. argmax_labels: `labels` are replaced by the target's argmax at those rows (the
+    accuracy and accepted lengths then count against it too).
     block_lens: see block_hidden; `valid` must already be False past each block's length.
     """
     h = block_hidden(draft, target, feats, anchor_ids, anchors, block_lens)[:, :, 1:]
@@ -129,12 +135,16 @@ def block_loss(
     w = valid.astype(mx.float32) * weights_k
     denom = mx.maximum(w.sum(), 1.0)
     kl = mx.array(0.0)
+    if (kl_weight > 0 or argmax_labels) and target_hidden is None:
+        raise ValueError("KL and argmax labels need the target's hidden states at the block rows")
+    t_logits = (_head(target, mx.stop_gradient(target_hidden))
+                if kl_weight > 0 or argmax_labels else None)
+    if argmax_labels:
+        labels = mx.stop_gradient(mx.argmax(t_logits, axis=-1)).astype(labels.dtype)
     if kl_weight > 0:
-        if target_hidden is None:
-            raise ValueError("kl_weight > 0 needs the target's hidden states at the block rows")
         d_logp = nn.log_softmax(logits, axis=-1)  # once, for both terms
         ce = (-mx.take_along_axis(d_logp, labels[..., None], axis=-1)[..., 0] * w).sum() / denom
-        t_logp = nn.log_softmax(_head(target, mx.stop_gradient(target_hidden)), axis=-1)
+        t_logp = nn.log_softmax(t_logits, axis=-1)
         kl_pos = (mx.exp(t_logp) * (t_logp - d_logp)).sum(-1)
         kl = (kl_pos * w).sum() / denom
         loss = (1.0 - kl_weight) * ce + kl_weight * kl

@@ -119,7 +119,7 @@ Output is always the target's own greedy text; the draft only sets the speed.
   {s.get('world_size', 1)} data-parallel rank(s)), {o['seqs_per_batch']} sequences x {o['anchors_per_seq']} anchors per step and rank
 - AdamW lr {sched.get('lr', o['lr'])}, linear warm-up {sched.get('warmup_steps', '?')} steps then cosine to
   {sched.get('min_lr_ratio', o['min_lr_ratio'])} x lr, grad clip {o['grad_clip']}, loss decay gamma
-  {o['gamma'] or default_gamma(c['block_size'])}, KL weight {o['kl_weight']}; embedding and LM head frozen
+  {o['gamma'] or default_gamma(c['block_size'])}, KL weight {o['kl_weight']}{', labels the target argmax' if o.get('argmax_labels') else ''}; embedding and LM head frozen
 - final loss {f.get('loss', float('nan')):.4f}, block accuracy@1 {f.get('acc1', float('nan')):.3f}
 - device {s['device']}, target dtype {s['dtype']}, draft compute {s.get('compute_dtype', '?')} (fp32 masters);
   time: data {s['generation_time_s']:.0f}s, training {s['train_time_s']:.0f}s, evaluation {s['eval_time_s']:.0f}s
