@@ -21,15 +21,21 @@ second choice), and full-attention KV caches only (rollback.rows_supported).
 What it buys, measured offline on 48 held-out prompts (the bundled SmolLM2 draft, CPU fp32,
 128 tokens; every anchor's draft scored, cycles replayed against the target's greedy text):
 tokens per cycle 2.57 with one row, 2.90 / 3.16 / 3.40 with 2 / 4 / 8 rows. What it costs: R
-times the verify's tokens. On the H200 (bf16, SmolLM2-135M, scripts/host_probe.py, medians of 5
-interleaved rounds at new cache lengths) a 16-token verify took 13.1 ms with one row, 14.4 ms
-with 4 and 14.8 ms with 8: the step is bound by launching kernels, not by the rows. The chat
-benchmark there (`--chat --max-tokens 256`, one machine, one run each) gave 1.68x with one row,
-1.68x with 4 and 1.69x with 8: no end-to-end gain shown above that host's drift (its baseline
-moved between 181 and 264 tok/s), so it stays opt-in. On the CPU the BLAS is the bound and R
-rows cost about R times the product work: off.
+times the verify's tokens, and a copy of the KV cache per row each cycle (`rollback.tile_rows`).
+On the H200 (bf16, SmolLM2-135M) the step is bound by launching kernels, not by the rows: a
+16-token verify took 13.1 ms with one row, 14.8 ms with 8 (session 15). End to end it paid once
+MLX's CUDA graphs were off and the products fused (sessions 21-22): session 24, mlx-lm's own
+answers re-decoded (`scripts/arms_ab.py --teach`, 32 pairs) 2.18x of mlx-lm with 8 rows against
+1.83x with one; session 25, `dflash benchmark --chat --max-tokens 256 --repeats 3`, alternated on
+one machine, 2.55x / 2.68x with 8 rows against 2.10x / 2.19x with one (geometric means). So a
+CUDA GPU verifies 8 rows by default, while R copies of the KV cache stay within
+DEFAULT_BUDGET_BYTES (256 MiB: ~1,400 tokens of SmolLM2-135M, ~200 of an 8B target with 8 KV
+heads); past that a cycle verifies one row. Both limits are where it was measured: short chats
+on a 135M target; a larger target's verify of 8 x 16 tokens is no longer free, unmeasured. On
+the CPU the BLAS is the bound and R rows cost about R times the product work: one row.
 
-    DFLASH_BRANCHES=1  (default) one row;  =N  N rows, 2 .. 8 (8: the most run on the H200)
+    DFLASH_BRANCHES unset: 8 rows on a CUDA GPU (within the budget above), 1 on the CPU
+    DFLASH_BRANCHES=N      N rows, 1 .. 8, at any cache length (1: off)
 
 Only verifies of MIN_WIDTH tokens or more take several rows: their attention is ours (fewq.py on
 CUDA, cpuattn.py on the CPU), which reads a batched cache by its strides. MLX 0.32's CUDA
@@ -53,9 +59,15 @@ MAX_ROWS = 8
 MIN_WIDTH = 4  # verify tokens (anchor + drafts) below which a cycle verifies one row
 
 
+DEFAULT_BUDGET_BYTES = 256 * 2**20  # R copies of the KV cache a default several-row verify may make
+
+
 def configure() -> int:
-    """DFLASH_BRANCHES as a row count (a bad value raises, naming the variable)."""
-    value = os.environ.get(ENV, "1").strip() or "1"
+    """DFLASH_BRANCHES as a row count, or this device's default when unset (a bad value raises,
+    naming the variable)."""
+    value = os.environ.get(ENV, "").strip()
+    if not value:
+        return default_rows()
     try:
         rows = int(value)
     except ValueError:
@@ -63,6 +75,40 @@ def configure() -> int:
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"{ENV}={value!r}: expected a row count from 1 to {MAX_ROWS}")
     return rows
+
+
+def default_rows() -> int:
+    """Rows a verify takes when DFLASH_BRANCHES is unset: MAX_ROWS on a CUDA GPU, where they paid
+    end to end (sessions 24-25), one on the CPU, where each row costs its share of the BLAS."""
+    return MAX_ROWS if verifyattn.cuda() else 1
+
+
+def explicit() -> bool:
+    """Whether DFLASH_BRANCHES names the rows (then they run at any cache length, and a target
+    that cannot take them says so)."""
+    return bool(os.environ.get(ENV, "").strip())
+
+
+def budget() -> int | None:
+    """Bytes of KV cache copies a several-row verify may make: DEFAULT_BUDGET_BYTES for the
+    default rows, None (no limit) for rows DFLASH_BRANCHES asked for."""
+    return None if explicit() else DEFAULT_BUDGET_BYTES
+
+
+def kv_bytes_per_token(caches) -> int:
+    """Bytes one token takes across these KV caches ([B, kv heads, length, head dim] keys and
+    values); 0 while none holds anything."""
+    total = 0
+    for c in caches:
+        keys = getattr(c, "keys", None)
+        if keys is not None and keys.ndim == 4:
+            total += 2 * keys.shape[1] * keys.shape[3] * keys.dtype.size
+    return total
+
+
+def rows_fit(rows: int, tokens: int, per_token: int, limit: int | None) -> bool:
+    """Whether `rows` copies of a cache of `tokens` tokens stay within `limit` bytes (None: any)."""
+    return limit is None or rows * tokens * per_token <= limit
 
 
 def attention_takes_rows(verify_attention: str, dtype: mx.Dtype, heads: int | None,

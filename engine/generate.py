@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from . import rollback, sparse
 from . import sampling as sampling_mod
+from . import branches as branches_mod
 from .branches import MIN_WIDTH
 from .drafters import Drafter
 from .lookup import CopyProposer
@@ -65,6 +66,7 @@ class GenerationStats:
     confidence_windows: int = 0  # draft cycles whose window the draft's confidence chose
     copy_accepted: int = 0  # copied tokens accepted (part of accepted_drafts)
     branch_rows: int = 1  # draft rows per model-draft verify (engine/branches.py; greedy only)
+    branch_cycles: int = 0  # cycles that verified several rows (the default's stop after its budget)
     branch_wins: int = 0  # cycles that kept a row other than the draft's top-1 one
     run_ahead: int = 0  # draft cycles whose draft was queued during the previous verify
     # decode tok/s x the mean plain-step time measured in this very run: how much faster than
@@ -222,6 +224,15 @@ def stream_dflash_generate(
         branch_rows = 1  # sampled cycles, ids-only drafters and other cache kinds verify one row
     stats.branch_rows = branch_rows
     by_rows = {"rows": branch_rows} if branch_rows > 1 else {}
+    # the default rows stop where their KV cache copies would pass the target's budget
+    row_budget = getattr(target, "branch_budget", None) if branches is None else None
+    kv_per_token = branches_mod.kv_bytes_per_token(caches) if by_rows else 0
+
+    def rows_at(p: int, k: int) -> dict[str, int]:
+        """The rows a k-token verify at cache position p takes (propose's keyword)."""
+        if k < MIN_WIDTH or not branches_mod.rows_fit(branch_rows, p + k, kv_per_token, row_budget):
+            return {}
+        return by_rows
     # Copy drafting's lookup over the prompt and every committed token (host-side ids, known at
     # each cycle's one host read); plain decoding (window 1) never copies.
     proposer = CopyProposer() if copy_draft and window.fixed != 1 else None
@@ -278,7 +289,7 @@ def stream_dflash_generate(
             cyc = check(anchor, mx.array(copy, dtype=mx.int32), pos)
             cyc.copied = True
             return cyc
-        rows_here = by_rows if k >= MIN_WIDTH else {}
+        rows_here = rows_at(pos, k)
         whole = False
         if ready is not None:  # greedy only: ids of the first k-1 positions, as propose(k-1) gives
             if ready.ndim == 2 and not rows_here:
@@ -305,7 +316,8 @@ def stream_dflash_generate(
         if runs_ahead and window.likely_full(k):
             flush()
             drafter.add_context(cyc.features)
-            cyc.ahead = drafter.propose(cyc.tokens[k - 1], pos + k, **by_rows)
+            cyc.ahead = drafter.propose(cyc.tokens[k - 1], pos + k,
+                                        **rows_at(pos + k, drafter.block_size))
             mx.async_eval(cyc.ahead)
         return cyc
 
@@ -350,6 +362,7 @@ def stream_dflash_generate(
             stats.accept_histogram[accepted] += 1
             stats.copy_cycles += cyc.copied
             stats.copy_accepted += accepted if cyc.copied else 0
+            stats.branch_cycles += cyc.rows > 1
             stats.branch_wins += cyc.rows > 1 and values[-1] != 0
             window.observe(cyc.block_len, accepted, cycle_s, cyc.copied, cyc.whole_block)
             stats.confidence_windows += cyc.whole_block
@@ -408,7 +421,10 @@ def format_stats(s: dict[str, Any]) -> str:
 def _rows(s: dict[str, Any]) -> str:
     """The branches part of the stats line (engine/branches.py), when more than one row ran."""
     rows = s.get("branch_rows", 1)
-    return f", {rows} draft rows, {s.get('branch_wins', 0)} cycles kept a swapped row" if rows > 1 else ""
+    if rows <= 1:
+        return ""
+    return (f", {rows} draft rows on {s.get('branch_cycles', 0)} cycles, "
+            f"{s.get('branch_wins', 0)} kept a swapped row")
 
 
 def _speedup(x: float) -> str:

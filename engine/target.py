@@ -120,11 +120,13 @@ class TargetModel:
         self.pipelined = pipelined_default()  # DFLASH_PIPELINE, read once at load
         self.run_ahead = self.pipelined and os.environ.get(RUNAHEAD_ENV, "1").strip() != "0"
         self.branches = branches.configure()  # DFLASH_BRANCHES: draft rows per greedy verify
+        self.branch_budget = branches.budget()  # the default rows' KV copies, in bytes (None: any)
         if self.branches > 1 and not branches.attention_takes_rows(
                 self.verify_attention, _weights_dtype(model), *_head_shape(self.args)):
-            warnings.warn(f"{branches.ENV}={self.branches}: this target's verify attention is not "
-                          "ours here (a CUDA GPU needs the few-query kernel: bf16/fp16, head dim 64 "
-                          "or 128); one row per verify", RuntimeWarning, stacklevel=2)
+            if branches.explicit():  # the default falls back quietly (fp32 on a GPU, say)
+                warnings.warn(f"{branches.ENV}={self.branches}: this target's verify attention is "
+                              "not ours here (a CUDA GPU needs the few-query kernel: bf16/fp16, "
+                              "head dim 64 or 128); one row per verify", RuntimeWarning, stacklevel=2)
             self.branches = 1
         # few-row products padded to the row count the BLAS does fastest (CPU + MKL; rowpad.py)
         plans = rowpad.plan(model)

@@ -49,6 +49,17 @@ def test_setting(monkeypatch, value, rows):
     assert branches.configure() == rows
 
 
+def test_unset_means_eight_rows_on_a_cuda_gpu_and_one_on_the_cpu(monkeypatch):
+    from dflash.engine import verifyattn
+
+    monkeypatch.delenv(branches.ENV, raising=False)
+    assert branches.configure() == 1 and branches.budget() == branches.DEFAULT_BUDGET_BYTES
+    monkeypatch.setattr(verifyattn, "cuda", lambda: True)
+    assert branches.configure() == branches.MAX_ROWS == 8
+    monkeypatch.setenv(branches.ENV, "4")  # asked for: any cache length
+    assert branches.configure() == 4 and branches.explicit() and branches.budget() is None
+
+
 @pytest.mark.parametrize("value", ["0", "9", "auto", "two", "-1"])
 def test_bad_setting_names_the_variable(monkeypatch, value):
     monkeypatch.setenv(branches.ENV, value)
@@ -172,7 +183,8 @@ def test_stats_line_names_the_rows(pairs):
     final, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, pair.tokenizer.encode(PROMPT),
                           16, verify_window="full", branches=4)
     line = format_stats(final.stats.to_dict())
-    assert f"4 draft rows, {final.stats.branch_wins} cycles kept a swapped row" in line
+    assert (f"4 draft rows on {final.stats.branch_cycles} cycles, {final.stats.branch_wins} kept "
+            "a swapped row") in line
     one, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, pair.tokenizer.encode(PROMPT), 8)
     assert "draft rows" not in format_stats(one.stats.to_dict())
 
@@ -209,3 +221,56 @@ def test_a_target_whose_rows_attention_is_not_ours_loads_with_one_row(tiny_dirs,
     args = pair.target.args
     assert (heads, kv, dim) == (args.num_attention_heads, args.num_key_value_heads,
                                 pair.target.layers[0].self_attn.k_proj.weight.shape[0] // kv)
+
+
+def test_default_rows_stop_where_their_cache_copies_pass_the_budget(pairs):
+    """The default rows (no DFLASH_BRANCHES) verify several rows while R copies of the KV cache
+    fit the target's budget, then one; rows asked for run at any length. Ids: mlx-lm's."""
+    pair = pairs("qwen3")
+    ids = pair.tokenizer.encode(PROMPT)
+    ref = greedy_reference(pair.target.model, ids, N_NEW + 16)
+    drafter = _SecondChoiceOracle(ref, len(ids), 16, vocab_size=pair.target.vocab_size)
+    caches = pair.target.make_cache()
+    pair.target.model(mx.array([ids]), cache=caches)
+    per_token = branches.kv_bytes_per_token(caches)
+    args = pair.target.args
+    head_dim = args.hidden_size // args.num_attention_heads
+    if getattr(args, "head_dim", None):
+        head_dim = args.head_dim
+    assert per_token == args.num_hidden_layers * 2 * args.num_key_value_heads * head_dim * 4
+    saved = pair.target.branches, pair.target.branch_budget, pair.tokenizer.eos_token_ids
+    pair.target.branches, pair.target.branch_budget = 4, 4 * (len(ids) + 40) * per_token
+    pair.tokenizer.eos_token_ids = set()
+    try:
+        capped, _ = run_dflash(pair.target, drafter, pair.tokenizer, ids, N_NEW,
+                               verify_window="full", copy_draft=False)
+        asked, _ = run_dflash(pair.target, drafter, pair.tokenizer, ids, N_NEW,
+                              verify_window="full", copy_draft=False, branches=4)
+    finally:
+        pair.target.branches, pair.target.branch_budget, pair.tokenizer.eos_token_ids = saved
+    assert capped.token_ids == asked.token_ids == ref[:N_NEW]
+    # rows up to ~40 tokens past the prompt (whole blocks), then row 0 alone (2 tokens a cycle)
+    assert 1 <= capped.stats.branch_cycles <= 3
+    assert capped.stats.cycles - capped.stats.branch_cycles >= 8
+    assert asked.stats.branch_cycles >= asked.stats.cycles - 1
+
+
+def test_default_rows_fall_back_quietly_where_the_attention_cannot_take_them(tiny_dirs, monkeypatch):
+    """Unset DFLASH_BRANCHES on a target whose verify attention cannot take rows (fp32 on a GPU,
+    say): one row, no warning; the default's budget is set, an asked-for count has none."""
+    import warnings
+
+    from dflash.engine.loading import load_pair
+
+    monkeypatch.delenv(branches.ENV, raising=False)
+    monkeypatch.setattr(branches, "default_rows", lambda: 8)
+    pair = load_pair(tiny_dirs["llama"], tiny_dirs["llama"] / "draft")
+    assert pair.target.branches == 8 and pair.target.branch_budget == branches.DEFAULT_BUDGET_BYTES
+    monkeypatch.setattr(branches, "attention_takes_rows", lambda *a: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pair = load_pair(tiny_dirs["llama"], tiny_dirs["llama"] / "draft")
+    assert pair.target.branches == 1
+    monkeypatch.setenv(branches.ENV, "2")
+    monkeypatch.setattr(branches, "attention_takes_rows", lambda *a: True)
+    assert load_pair(tiny_dirs["llama"], tiny_dirs["llama"] / "draft").target.branch_budget is None
