@@ -29,10 +29,11 @@ answers re-decoded (`scripts/arms_ab.py --teach`, 32 pairs) 2.18x of mlx-lm with
 1.83x with one; session 25, `dflash benchmark --chat --max-tokens 256 --repeats 3`, alternated on
 one machine, 2.55x / 2.68x with 8 rows against 2.10x / 2.19x with one (geometric means). So a
 CUDA GPU verifies 8 rows by default, while R copies of the KV cache stay within
-DEFAULT_BUDGET_BYTES (256 MiB: ~1,400 tokens of SmolLM2-135M, ~200 of an 8B target with 8 KV
-heads); past that a cycle verifies one row. Both limits are where it was measured: short chats
-on a 135M target; a larger target's verify of 8 x 16 tokens is no longer free, unmeasured. On
-the CPU the BLAS is the bound and R rows cost about R times the product work: one row.
+DEFAULT_BUDGET_BYTES (256 MiB: ~1,450 tokens of SmolLM2-135M, ~230 of Qwen3-8B in bf16); past
+that a cycle verifies one row. The limit keeps the default near where it was measured (short
+chats on a 135M target): a larger target's verify of 8 x 16 tokens is no longer free, and long
+contexts multiply the copies; neither is measured. On the CPU the BLAS is the bound and R rows
+cost about R times the product work: one row.
 
     DFLASH_BRANCHES unset: 8 rows on a CUDA GPU (within the budget above), 1 on the CPU
     DFLASH_BRANCHES=N      N rows, 1 .. 8, at any cache length (1: off)
@@ -43,7 +44,7 @@ attention for 2 or 3 queries failed on the H200 with batched rows over the KV ca
 (an illegal memory access). So on a CUDA GPU rows run only where the kernel takes the verify's
 attention (`attention_takes_rows`: the kernel chosen, bf16/fp16, a head shape it supports);
 elsewhere there (fp32, `DFLASH_VERIFY_ATTN=mlx`, other head shapes) the target loads with one
-row and a warning. On the CPU, MLX's attention and cpuattn.py both read batched rows right.
+row (and a warning when DFLASH_BRANCHES asked for rows). On the CPU, MLX's attention and cpuattn.py both read batched rows right.
 """
 
 from __future__ import annotations
