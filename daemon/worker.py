@@ -500,7 +500,7 @@ def _pair_notes(pair: Any) -> str:
     if pair.target.fused:
         notes += "; q/k/v and gate/up as one product each"
     if pair.target.branches > 1:
-        budget = getattr(pair.target, "branch_budget", None)
+        budget = pair.target.branch_budget
         notes += f"; {pair.target.branches} draft rows a greedy verify" + (
             f" (while their cache copies fit {budget // 2**20} MiB)" if budget else "")
     if pair.drafter.short_max:

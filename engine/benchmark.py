@@ -611,7 +611,7 @@ def method(cfg: BenchConfig, setup: Setup, runs: list[dict], first_time_used: bo
         "run_ahead": setup.target.run_ahead,  # DFLASH_RUNAHEAD: next draft queued before the read
         "branches": setup.target.branches,  # DFLASH_BRANCHES: draft rows per greedy verify
         # the default rows' limit: R copies of the KV cache in bytes (None: rows asked for, any length)
-        "branch_budget_bytes": getattr(setup.target, "branch_budget", None),
+        "branch_budget_bytes": setup.target.branch_budget,
         "row_padding": {"dflash": setup.target.row_padding, "baseline": False,
                         "plan": setup.target.row_plan,
                         "what": "dflash's target forwards pad few-row products to the row count "

@@ -44,7 +44,8 @@ attention for 2 or 3 queries failed on the H200 with batched rows over the KV ca
 (an illegal memory access). So on a CUDA GPU rows run only where the kernel takes the verify's
 attention (`attention_takes_rows`: the kernel chosen, bf16/fp16, a head shape it supports);
 elsewhere there (fp32, `DFLASH_VERIFY_ATTN=mlx`, other head shapes) the target loads with one
-row (and a warning when DFLASH_BRANCHES asked for rows). On the CPU, MLX's attention and cpuattn.py both read batched rows right.
+row (and a warning when DFLASH_BRANCHES asked for rows). On the CPU, MLX's attention and
+cpuattn.py both read batched rows right.
 """
 
 from __future__ import annotations
@@ -58,8 +59,6 @@ from . import fewq, verifyattn
 ENV = "DFLASH_BRANCHES"
 MAX_ROWS = 8
 MIN_WIDTH = 4  # verify tokens (anchor + drafts) below which a cycle verifies one row
-
-
 DEFAULT_BUDGET_BYTES = 256 * 2**20  # R copies of the KV cache a default several-row verify may make
 
 

@@ -225,7 +225,7 @@ def stream_dflash_generate(
     stats.branch_rows = branch_rows
     by_rows = {"rows": branch_rows} if branch_rows > 1 else {}
     # the default rows stop where their KV cache copies would pass the target's budget
-    row_budget = getattr(target, "branch_budget", None) if branches is None else None
+    row_budget = target.branch_budget if branches is None else None
     kv_per_token = branches_mod.kv_bytes_per_token(caches) if by_rows else 0
 
     def rows_at(p: int, k: int) -> dict[str, int]:

@@ -616,21 +616,30 @@ def test_sampled_share_of_responses(looping: Path, tmp_path: Path):
     assert redo != [s.response_ids for s in picked]  # the sampled share is not
 
 
-def test_kl_branch_keeps_the_cross_entropy(tiny: Path):
-    """With KL on, CE comes from the same log-softmax as the KL term: the same number as the
-    CE-only loss, and a KL weight of 1 leaves exactly the KL (>= 0)."""
+def _loss_inputs(tiny: Path, seed: int):
+    """A tiny target and a fresh draft, one batch of random sequences (4 x 3 anchors, blocks of
+    8) and the target's pass over it: (target, draft, batch, features, block-row hidden states)."""
     from mlx_lm import load
 
     from dflash.engine.training.data import FixedBatches, Sample, TokenStore
-    from dflash.engine.training.objective import block_loss, position_weights, target_pass
+    from dflash.engine.training.objective import target_pass
 
     model, _ = load(str(tiny))
     cfg = draft_config_for(TargetModel(model, [0]), 1, 8, 3, num_capture=3)
     target, draft = TargetModel(model, cfg.target_layer_ids), DFlashDraft(cfg)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     samples = [Sample("k", f"p{i}", list(rng.integers(5, 50, 6)), list(rng.integers(5, 50, 20))) for i in range(4)]
     b = FixedBatches(TokenStore.from_samples(samples, 32), 4, 3, 8, 32, seed=0, rank=0, world=1).batch(0)
     feats, rows = target_pass(target, b["tokens"], b["rows"])
+    return target, draft, b, feats, rows
+
+
+def test_kl_branch_keeps_the_cross_entropy(tiny: Path):
+    """With KL on, CE comes from the same log-softmax as the KL term: the same number as the
+    CE-only loss, and a KL weight of 1 leaves exactly the KL (>= 0)."""
+    from dflash.engine.training.objective import block_loss, position_weights
+
+    target, draft, b, feats, rows = _loss_inputs(tiny, seed=0)
     args = (draft, target, position_weights(8), feats, b["anchor_ids"], b["anchors"], b["labels"], b["valid"])
     ce_only = block_loss(*args)
     with_kl = block_loss(*args, target_hidden=rows, kl_weight=0.5)
@@ -644,18 +653,9 @@ def test_argmax_labels_are_the_targets_own_choices(tiny: Path):
     """--argmax-labels: the loss, accuracy and accepted lengths count against the target's argmax
     at each block row, whatever the data's tokens were: labels made of that argmax by hand give
     the same numbers, garbage labels change nothing, and without the rows it is an error."""
-    from mlx_lm import load
+    from dflash.engine.training.objective import _head, block_loss, position_weights
 
-    from dflash.engine.training.data import FixedBatches, Sample, TokenStore
-    from dflash.engine.training.objective import _head, block_loss, position_weights, target_pass
-
-    model, _ = load(str(tiny))
-    cfg = draft_config_for(TargetModel(model, [0]), 1, 8, 3, num_capture=3)
-    target, draft = TargetModel(model, cfg.target_layer_ids), DFlashDraft(cfg)
-    rng = np.random.default_rng(1)
-    samples = [Sample("k", f"p{i}", list(rng.integers(5, 50, 6)), list(rng.integers(5, 50, 20))) for i in range(4)]
-    b = FixedBatches(TokenStore.from_samples(samples, 32), 4, 3, 8, 32, seed=0, rank=0, world=1).batch(0)
-    feats, rows = target_pass(target, b["tokens"], b["rows"])
+    target, draft, b, feats, rows = _loss_inputs(tiny, seed=1)
     by_hand = mx.argmax(_head(target, rows), axis=-1).astype(b["labels"].dtype)
     assert not mx.array_equal(by_hand, b["labels"]).item()  # random data: not the target's choices
     head = (draft, target, position_weights(8), feats, b["anchor_ids"], b["anchors"])
