@@ -30,10 +30,14 @@ answers re-decoded (`scripts/arms_ab.py --teach`, 32 pairs) 2.18x of mlx-lm with
 one machine, 2.55x / 2.68x with 8 rows against 2.10x / 2.19x with one (geometric means). So a
 CUDA GPU verifies 8 rows by default, while R copies of the KV cache stay within
 DEFAULT_BUDGET_BYTES (256 MiB: ~1,450 tokens of SmolLM2-135M, ~230 of Qwen3-8B in bf16); past
-that a cycle verifies one row. The limit keeps the default near where it was measured (short
-chats on a 135M target): a larger target's verify of 8 x 16 tokens is no longer free, and long
-contexts multiply the copies; neither is measured. On the CPU the BLAS is the bound and R rows
-cost about R times the product work: one row.
+that a cycle verifies one row. What the rows cost a verify, synced, at first-time cache lengths
+(scripts/rows_cost_probe.py, H200 bf16, session 26): SmolLM2-135M 1.16-1.29x of one row at every
+length from 128 to 4,096 tokens; Qwen3 shapes (random weights) 1.12-1.23x at 128 tokens, then
+rising with the length (8B: 1.59x at 512, 1.90x at 1,024, 3.83x at 4,096; 0.6B 1.18x at 512,
+1.68x at 4,096). Against the ~1.24x more tokens a cycle that 8 rows buy on chat, the budget
+stops them where they stop paying on the larger shapes (~230 tokens for 8B and 4B, ~290 for
+0.6B) and early on SmolLM2, whose rows would still pay at 4,096 (`DFLASH_BRANCHES=8` there). On
+the CPU the BLAS is the bound and R rows cost about R times the product work: one row.
 
     DFLASH_BRANCHES unset: 8 rows on a CUDA GPU (within the budget above), 1 on the CPU
     DFLASH_BRANCHES=N      N rows, 1 .. 8, at any cache length (1: off)

@@ -63,7 +63,7 @@ KEYS = ("cut", "window", "copy", "wide", "conf", "gap", "fdecay", "fast", "fuse"
 WINDOW_KEYS = {"gap": "max_probe_gap", "fdecay": "full_decay"}  # arm key -> VerifyWindow argument
 ENV_NOTED = ("MLX_CUDA_USE_CUDNN_SDPA", "MLX_USE_CUDA_GRAPHS", "DFLASH_VERIFY_ATTN", "DFLASH_PIPELINE", "DFLASH_BRANCHES",
              "DFLASH_SHORT_BLOCK", "DFLASH_DRAFT_VOCAB", "DFLASH_WINDOW_WIDE", "DFLASH_WINDOW_CONFIDENCE",
-             "DFLASH_FUSE", "DFLASH_CPU_FAST")
+             "DFLASH_FUSE", "DFLASH_CPU_FAST", "DFLASH_ACCEL")
 
 
 @dataclass
@@ -324,6 +324,9 @@ def main() -> None:
                     help="every DFlash arm decodes mlx-lm's text of each prompt (needs --baseline)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    from dflash.engine import accel
+
+    accel.maybe_reexec()  # MKL preloaded on the CPU, as `dflash benchmark` runs (no return then)
     if a.teach and not a.baseline:
         ap.error("--teach times the arms on mlx-lm's texts: give --baseline too")
     try:

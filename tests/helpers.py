@@ -1,7 +1,11 @@
-"""Test helpers: the mlx-lm greedy reference and a one-call DFlash run."""
+"""Test helpers: the mlx-lm greedy reference, a one-call DFlash run, a script loaded as a module."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Sequence
 
 import mlx.core as mx
@@ -30,3 +34,15 @@ def run_dflash(target, drafter, tokenizer, ids, max_tokens, **kwargs) -> tuple[F
     final = events[-1]
     assert isinstance(final, Finished)
     return final, events[:-1]
+
+
+def load_script(name: str) -> ModuleType:
+    """scripts/<name>.py as a module (the scripts are tools, not a package); registered in
+    sys.modules, where a dataclass of it looks its module up. Module level only imports there:
+    nothing re-executes or loads a model until a test calls in."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts/arms_ab.py"
+from helpers import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("arms_ab", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclass looks its module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("arms_ab")
 
 
 def test_arms_parse_and_bad_specs_say_what_is_wrong():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,6 +9,8 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm import load
+
+from helpers import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts/label_agreement.py"
 
@@ -24,9 +25,7 @@ def _greedy(model, prompt: list[int], n: int) -> list[int]:
 def test_greedy_answers_agree_and_random_ones_do_not(tiny_dirs, tmp_path):
     d = tiny_dirs["llama"]
     model, _ = load(str(d))
-    spec = importlib.util.spec_from_file_location("label_agreement", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("label_agreement")
     prompts = [[1, 5, 9, 13], [1, 7, 2, 40, 41]]
     greedy = [{"prompt_ids": p, "response_ids": _greedy(model, p, 20), "temperature": 0.0} for p in prompts]
     n, share, first16 = mod.agreement(model, greedy, 256)

@@ -3,23 +3,16 @@ target's top-1 minus top-2 logits there."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from helpers import greedy_reference
-
-REPO = Path(__file__).resolve().parents[1]
+from helpers import greedy_reference, load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("near_ties", REPO / "scripts/near_ties.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # module level only imports: no re-exec, no model load
-    return mod
+    return load_script("near_ties")
 
 
 def test_replay_is_mlx_lm_greedy_and_gaps_are_top2(tiny_dirs):

@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
 from dflash.engine.drafters import OracleDrafter
 from dflash.engine.generate import Finished, stream_dflash_generate
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts/window_sim.py"
+from helpers import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("window_sim", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("window_sim")
 
 
 def _engine_full(pair, drafter, ids, max_tokens):
@@ -83,7 +76,6 @@ def test_a_shorter_probe_gap_probes_more_where_nothing_is_accepted():
                                                                           max_probe_gap=8)
     assert eager["plain"] < slow["plain"] < 400  # more probes (draft cycles), fewer plain steps
     assert eager["tokens"] / eager["time"] < slow["tokens"] / slow["time"] < 1.0
-
 
 
 def test_a_longer_memory_of_whole_blocks_rides_out_a_short_run_of_misses():
