@@ -1,7 +1,7 @@
 """What several draft rows cost a verify, by cache length (the budget in engine/branches.py).
 
     python scripts/rows_cost_probe.py --model DIR --dtype bfloat16 [--lengths 128,1024] [--out F]
-    python scripts/rows_cost_probe.py --random-target qwen3-8b ...   # a random-weight shape
+    python scripts/rows_cost_probe.py --random-target qwen3-8b ... [--parts]   # a random-weight shape
 
 A greedy verify of R rows copies the KV cache into every row (`rollback.tile_rows`), runs the
 target over [R, 16] tokens, and keeps the best row (`rollback.keep_row`). Session 26's first-time
@@ -14,7 +14,10 @@ own function: tile, batched pass, argmax, keep one row), each synced, each follo
 `rollback.rewind` to the anchor alone, so the cache grows one token a call and every timed call
 runs at a cache length no call ran at before (no flattering reuse of per-shape work). Medians;
 the ratio to one row at the same length is what the rows must earn back in tokens a cycle
-(8 rows: 1.24x more on the H200 chat benchmark, session 25).
+(8 rows: 1.24x more on the H200 chat benchmark, session 25). `--parts` also times the copy into
+the rows, the batched pass and the copy back out, each synced apart: which of them grows with
+the cache (session 26: on the Qwen3-8B shape 8 rows cost 10.8 -> 41.2 ms at 4,096 tokens, far
+more than the rows' attention or copies at HBM speed should take).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import mlx.core as mx
 
 from dflash.engine import branches, rollback
 from dflash.engine.target import TargetModel, default_layer_ids
-from dflash.engine.verify import verify
+from dflash.engine.verify import greedy_accept, verify
 
 BLOCK = 16
 
@@ -71,6 +74,38 @@ def time_rows(target: TargetModel, length: int, rows: int, args: argparse.Namesp
     return out
 
 
+def _synced(arrays: list[mx.array]) -> float:
+    """ms to evaluate `arrays` (the host waits)."""
+    t0 = time.perf_counter()
+    mx.eval(arrays)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def time_parts(target: TargetModel, rows: int, args: argparse.Namespace, caches: list) -> dict:
+    """Median ms of a several-row verify's three parts, each synced on its own: the cache copied
+    into every row (`rollback.tile_rows`), the batched pass with its argmax, and the kept row
+    taken back (`rollback.keep_row`). Syncing between them stops MLX from fusing or donating
+    across the parts, so their sum can exceed the whole verify; what they show is which part
+    grows with the cache."""
+    vocab, parts = target.vocab_size, {"tile": [], "forward": [], "keep": []}
+    for i in range(args.warmup + args.repeats):
+        block = mx.random.randint(0, vocab, (rows, BLOCK), dtype=mx.int32)
+        mx.eval(block)
+        rollback.tile_rows(caches, rows)
+        tile = _synced([a for c in caches for a in (c.keys, c.values)])
+        logits, features = target.forward(block, caches, eager=True)
+        accepted = greedy_accept(block[:, 1:], mx.argmax(logits, axis=-1))
+        best = mx.argmax(accepted).astype(mx.int32)
+        forward = _synced([best, features])
+        rollback.keep_row(caches, best)
+        keep = _synced([a for c in caches for a in (c.keys, c.values)])
+        rollback.rewind(caches, target.layers, 1, BLOCK, None)
+        if i >= args.warmup:
+            for name, ms in (("tile", tile), ("forward", forward), ("keep", keep)):
+                parts[name].append(ms)
+    return {name: round(statistics.median(v), 3) for name, v in parts.items()}
+
+
 def probe(args: argparse.Namespace) -> dict:
     target, name = load_target(args)
     row_counts = [int(r) for r in args.rows.split(",")]
@@ -85,6 +120,8 @@ def probe(args: argparse.Namespace) -> dict:
             times = time_rows(target, length, r, args, caches)
             row["ms"][str(r)] = round(statistics.median(times), 3)
             row["all_ms"][str(r)] = [round(t, 3) for t in times]
+        if args.parts:
+            row["parts_ms"] = {str(r): time_parts(target, r, args, caches) for r in row_counts if r > 1}
         one = row["ms"].get("1")
         row["ratio_to_one_row"] = {r: round(v / one, 3) for r, v in row["ms"].items()} if one else {}
         row["copies_mib"] = {str(r): round(r * length * per_token / 2**20, 1) for r in row_counts}
@@ -92,10 +129,14 @@ def probe(args: argparse.Namespace) -> dict:
         print(f"[rows] L={length:5d}: " + ", ".join(
             f"R={r} {row['ms'][str(r)]:.2f} ms" + (f" ({row['ratio_to_one_row'][str(r)]:.2f}x)" if one else "")
             for r in row_counts), flush=True)
+        for r, part in row.get("parts_ms", {}).items():
+            print(f"        R={r} parts: " + ", ".join(f"{k} {v:.2f} ms" for k, v in part.items()), flush=True)
     return {
         "target": name, "dtype": args.dtype, "device": str(mx.default_device()),
         "machine": platform.node(), "mlx": mx.__version__,
         "verify_attention": target.verify_attention, "fused_products": bool(target.fused),
+        "parts": "tile / forward / keep: a several-row verify's parts, each synced apart (--parts)"
+                 if args.parts else None,
         "method": f"per cache length: prefill that many random ids, then per row count {args.warmup} "
                   f"warm-up and {args.repeats} timed verifies of [R, {BLOCK}] random tokens through "
                   "engine.verify.verify (tile rows, batched pass, argmax, keep one row), each synced "
@@ -114,6 +155,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--parts", action="store_true",
+                    help="also time a several-row verify's copy in, batched pass and copy out apart")
     ap.add_argument("--out")
     args = ap.parse_args()
     if not (args.model or args.random_target):
