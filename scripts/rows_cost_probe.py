@@ -16,8 +16,8 @@ runs at a cache length no call ran at before (no flattering reuse of per-shape w
 the ratio to one row at the same length is what the rows must earn back in tokens a cycle
 (8 rows: 1.24x more on the H200 chat benchmark, session 25). `--parts` also times the copy into
 the rows, the batched pass and the copy back out, each synced apart: which of them grows with
-the cache (session 26: on the Qwen3-8B shape 8 rows cost 10.8 -> 41.2 ms at 4,096 tokens, far
-more than the rows' attention or copies at HBM speed should take).
+the cache (session 26: on the Qwen3-8B shape a verify took 10.8 ms with one row and 41.2 ms with
+8 at 4,096 tokens, far more than the rows' attention or copies at HBM speed should take).
 """
 
 from __future__ import annotations
