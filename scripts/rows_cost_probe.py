@@ -18,6 +18,9 @@ the ratio to one row at the same length is what the rows must earn back in token
 the rows, the batched pass and the copy back out, each synced apart: which of them grows with
 the cache (session 26: on the Qwen3-8B shape a verify took 10.8 ms with one row and 41.2 ms with
 8 at 4,096 tokens, far more than the rows' attention or copies at HBM speed should take).
+`--revisit` also times the same verifies at one cache length again and again (rewound after each
+call): whether revisiting a length is cheaper than a first-time one, which is what the `--chat`
+benchmark (five fixed questions, re-run) leans on with cuDNN attention off.
 """
 
 from __future__ import annotations
@@ -55,8 +58,10 @@ def load_target(args: argparse.Namespace) -> tuple[TargetModel, str]:
 
 
 def time_rows(target: TargetModel, length: int, rows: int, args: argparse.Namespace,
-              caches: list) -> list[float]:
-    """ms of each timed verify of `rows` rows, continuing on `caches` (one token kept a call)."""
+              caches: list, keep: int = 1) -> list[float]:
+    """ms of each timed verify of `rows` rows, continuing on `caches`: `keep` tokens of each
+    verify stay (1: the cache grows a token a call, every call at a new length; 0: every call at
+    the same length, revisited after the first)."""
     vocab = target.vocab_size
     out = []
     for i in range(args.warmup + args.repeats):
@@ -68,7 +73,7 @@ def time_rows(target: TargetModel, length: int, rows: int, args: argparse.Namesp
         cyc = verify(target, caches, anchor, drafts, record_tape=False)
         mx.eval(cyc.summary, cyc.features)
         dt = (time.perf_counter() - t0) * 1e3
-        rollback.rewind(caches, target.layers, 1, BLOCK, None)
+        rollback.rewind(caches, target.layers, keep, BLOCK, None)
         if i >= args.warmup:
             out.append(dt)
     return out
@@ -120,6 +125,9 @@ def probe(args: argparse.Namespace) -> dict:
             times = time_rows(target, length, r, args, caches)
             row["ms"][str(r)] = round(statistics.median(times), 3)
             row["all_ms"][str(r)] = [round(t, 3) for t in times]
+        if args.revisit:  # the same verifies at one length again and again
+            row["revisited_ms"] = {str(r): round(statistics.median(
+                time_rows(target, length, r, args, caches, keep=0)), 3) for r in row_counts}
         if args.parts:
             row["parts_ms"] = {str(r): time_parts(target, r, args, caches) for r in row_counts if r > 1}
         one = row["ms"].get("1")
@@ -129,12 +137,17 @@ def probe(args: argparse.Namespace) -> dict:
         print(f"[rows] L={length:5d}: " + ", ".join(
             f"R={r} {row['ms'][str(r)]:.2f} ms" + (f" ({row['ratio_to_one_row'][str(r)]:.2f}x)" if one else "")
             for r in row_counts), flush=True)
+        if args.revisit:
+            print("        revisited: " + ", ".join(f"R={r} {v:.2f} ms" for r, v in row["revisited_ms"].items()),
+                  flush=True)
         for r, part in row.get("parts_ms", {}).items():
             print(f"        R={r} parts: " + ", ".join(f"{k} {v:.2f} ms" for k, v in part.items()), flush=True)
     return {
         "target": name, "dtype": args.dtype, "device": str(mx.default_device()),
         "machine": platform.node(), "mlx": mx.__version__,
         "verify_attention": target.verify_attention, "fused_products": bool(target.fused),
+        "revisited": "revisited_ms: the same verifies at one cache length, rewound after each call "
+                     "(--revisit)" if args.revisit else None,
         "parts": "tile / forward / keep: a several-row verify's parts, each synced apart (--parts)"
                  if args.parts else None,
         "method": f"per cache length: prefill that many random ids, then per row count {args.warmup} "
@@ -157,6 +170,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--parts", action="store_true",
                     help="also time a several-row verify's copy in, batched pass and copy out apart")
+    ap.add_argument("--revisit", action="store_true",
+                    help="also time the same verifies at one revisited length (what a benchmark that "
+                         "re-runs a prompt measures), beside the first-time ones")
     ap.add_argument("--out")
     args = ap.parse_args()
     if not (args.model or args.random_target):
