@@ -90,6 +90,17 @@ def main(ctx, endpoint, config_path, timeout):
     ctx.obj = DFlashClient(endpoint, config=config_path, timeout=timeout)
 
 
+def _window(ctx, param, value):
+    """--verify-window: auto, full or a token count (checked against the block by the worker)."""
+    if value is None:
+        return None
+    window = int(value) if value.isdigit() else value
+    problem = P.verify_window_problem(window)
+    if problem is not None:
+        raise click.BadParameter(problem)
+    return window
+
+
 @main.command()
 @click.argument("text", required=False)
 @click.option("--max-tokens", "-m", default=256, show_default=True, type=int)
@@ -104,10 +115,16 @@ def main(ctx, endpoint, config_path, timeout):
               help="Sparse prefill: prompt token indices, e.g. '0-63,128-255,300'.")
 @click.option("--positions-name", default=None, help="Sparse prefill with a stored position list.")
 @click.option("--stats", "show_stats", is_flag=True, help="Print the job's stats line on stderr.")
+@click.option("--verify-window", default=None, callback=_window,
+              help="This job's tokens per verify: auto, full or 1..block size (1 = plain decoding). "
+                   "[default: the daemon's, normally auto]")
+@click.option("--compare-plain", is_flag=True,
+              help="Then decode the same prompt plainly (verify window 1, prefix cache bypassed) and print "
+                   "the measured speedup and whether the tokens are the same, on stderr (--json: under 'plain').")
 @sampling_options
 @click.pass_obj
 def prompt(client: DFlashClient, text, max_tokens, system, stop, priority, raw, as_json, cache, positions_text,
-           positions_name, show_stats, temperature, top_p, top_k, seed):
+           positions_name, show_stats, verify_window, compare_plain, temperature, top_p, top_k, seed):
     """Generate from TEXT (stdin when omitted), streaming to stdout. Ctrl-C cancels the job.
 
     Sampling flags left out take the daemon's defaults (greedy unless its config says otherwise)."""
@@ -115,10 +132,11 @@ def prompt(client: DFlashClient, text, max_tokens, system, stop, priority, raw, 
     for what, value in (("TEXT", text), ("--system", system), *(("--stop", s) for s in stop)):
         _require_utf8(value, what)
     positions = _parse_positions(positions_text) if positions_text else None
+    job = dict(max_tokens=max_tokens, system=system, stop=stop, priority=priority, raw=raw,
+               positions=positions, positions_name=positions_name,
+               temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     try:  # a value the client refuses (e.g. a --positions-name that is not UTF-8) is one line, exit 2
-        stream = client.stream(text, max_tokens=max_tokens, system=system, stop=stop, priority=priority, raw=raw,
-                               cache=cache, positions=positions, positions_name=positions_name,
-                               temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        stream = client.stream(text, cache=cache, verify_window=verify_window, **job)
     except E.DFlashError as e:
         _fail(e)
     try:
@@ -132,7 +150,60 @@ def prompt(client: DFlashClient, text, max_tokens, system, stop, priority, raw, 
         sys.exit(130)
     except E.DFlashError as e:
         _fail(e)
-    _finish(stream.result, as_json, show_stats, text_shown=True)
+    res = stream.result
+    plain = None
+    text_shown = True
+    if compare_plain and res.finish_reason != "timeout":
+        if not as_json:  # this job's lines first: the plain run takes as long again
+            click.echo("")
+            text_shown = None
+            if show_stats:
+                _stats_line(res)
+                show_stats = False
+            click.echo("[dflash] decoding the same prompt plainly (verify window 1) to compare ...", err=True)
+        plain = _plain_run(client, text, job, res)
+    _finish(res, as_json, show_stats, text_shown=text_shown, plain=plain)
+
+
+def _plain_run(client: DFlashClient, text: str, job: dict, res: Result) -> dict:
+    """The same prompt decoded plainly (window 1, the prefix cache bypassed so the first job's
+    snapshots neither help nor change): its speed against `res`'s, and whether the ids agree."""
+    sampling = res.stats.get("sampling") or {}
+    seeded = {**job, "temperature": sampling.get("temperature"), "top_p": sampling.get("top_p"),
+              "top_k": sampling.get("top_k"), "seed": sampling.get("seed")}
+    try:
+        other = client.generate(text, cache="bypass", verify_window=1, **seeded)
+    except KeyboardInterrupt:
+        click.echo("\ndflash-client: cancelled the plain run", err=True)
+        sys.exit(130)
+    except E.DFlashError as e:
+        _fail(e)
+    fast, slow = res.stats.get("decode_tps", 0.0), other.stats.get("decode_tps", 0.0)
+    parts = next((i for i, (a, b) in enumerate(zip(res.token_ids, other.token_ids)) if a != b), None)
+    if parts is None and len(res.token_ids) != len(other.token_ids):
+        parts = min(len(res.token_ids), len(other.token_ids))
+    return {"decode_tps": slow, "generated_tokens": len(other.token_ids),
+            "speedup": fast / slow if slow else 0.0, "same_tokens": parts is None, "parts_at": parts,
+            "greedy": not sampling.get("temperature"), "stats": other.stats}
+
+
+def plain_line(plain: dict, dflash_tps: float) -> str:
+    """One human line comparing a job with its plain re-run (`--compare-plain`)."""
+    if not plain["greedy"]:
+        same = "sampled, so the two texts are two draws from the same distribution"
+    elif plain["same_tokens"]:
+        same = "the same tokens: yes"
+    else:
+        same = (f"the same tokens: no, they part at token {plain['parts_at']} (on a GPU in bf16 a verify and a "
+                "step can round a near-tie differently; README, lossless)")
+    return (f"[dflash] plain decoding: {plain['generated_tokens']} tok, {plain['decode_tps']:.1f} tok/s | "
+            f"DFlash {dflash_tps:.1f} tok/s = {plain['speedup']:.2f}x plain decoding (measured) | {same}")
+
+
+def _stats_line(res: Result) -> None:
+    from dflash.engine.generate import format_stats
+
+    click.echo(format_stats({**res.stats, "finish_reason": res.finish_reason}), err=True)
 
 
 @main.command()
@@ -154,18 +225,21 @@ def result(client: DFlashClient, job_id, as_json, show_stats):
     _finish(res, as_json, show_stats, text_shown=False)
 
 
-def _finish(res: Result, as_json: bool, show_stats: bool, text_shown: bool) -> None:
+def _finish(res: Result, as_json: bool, show_stats: bool, text_shown: bool | None,
+            plain: dict | None = None) -> None:
     """Print a finished job (its text unless already streamed, or one JSON object; the stats line
-    on stderr) and exit 124 when it hit its time limit."""
+    and the plain comparison on stderr) and exit 124 when it hit its time limit. `text_shown`:
+    True streamed (a newline ends it), None streamed and ended, False print it now."""
     if as_json:
-        click.echo(json.dumps({"job_id": res.job_id, "text": res.text, "token_ids": res.token_ids,
-                               "finish_reason": res.finish_reason, "stats": res.stats}))
-    else:
+        out = {"job_id": res.job_id, "text": res.text, "token_ids": res.token_ids,
+               "finish_reason": res.finish_reason, "stats": res.stats}
+        click.echo(json.dumps(out if plain is None else {**out, "plain": plain}))
+    elif text_shown is not None:
         click.echo("" if text_shown else res.text)
     if show_stats:
-        from dflash.engine.generate import format_stats
-
-        click.echo(format_stats({**res.stats, "finish_reason": res.finish_reason}), err=True)
+        _stats_line(res)
+    if plain is not None and not as_json:
+        click.echo(plain_line(plain, res.stats.get("decode_tps", 0.0)), err=True)
     if res.finish_reason == "timeout":
         sys.exit(124)
 

@@ -69,6 +69,7 @@ def make_submit(
     top_p: float | None = None,
     top_k: int | None = None,
     seed: int | None = None,
+    verify_window: str | int | None = None,
 ) -> P.Submit:
     """A Submit from a text prompt (str), a list of chat messages (dicts) or a list of token ids.
 
@@ -76,7 +77,8 @@ def make_submit(
     those indices of the prompt's token ids (a list given here, or one stored by name).
     temperature (0 = greedy), top_p (1 = off), top_k (0 = off), seed (0..2^64-1): sampling; None
     leaves each to the daemon's configured default (greedy unless its config says otherwise).
-    `stop` is one string or a sequence of them. Nothing is sent when a value is refused: a value
+    verify_window: this job's tokens per verify, "auto", "full" or 1..block size (1 = plain
+    decoding, e.g. to compare); None: the daemon's setting. `stop` is one string or a sequence of them. Nothing is sent when a value is refused: a value
     of the wrong type (bytes as a prompt, a bool or float where an int belongs) is a TypeError; a
     value the worker would refuse (a negative token id, a job id outside [A-Za-z0-9_.-], text that
     is not valid Unicode, sampling out of range) is the BadRequestError the worker would answer."""
@@ -87,7 +89,7 @@ def make_submit(
                    positions_name=positions_name, template_args=template_args,
                    temperature=_opt_float(temperature, "temperature"), top_p=_opt_float(top_p, "top_p"),
                    top_k=None if top_k is None else _int(top_k, "top_k"),
-                   seed=None if seed is None else _int(seed, "seed"))
+                   seed=None if seed is None else _int(seed, "seed"), verify_window=verify_window)
     if isinstance(prompt, str):
         sub.text = prompt
     elif _is_seq(prompt) and prompt and all(isinstance(m, Mapping) for m in prompt):
@@ -255,7 +257,8 @@ class DFlashClient:
 
     def generate(self, prompt: Any, **kw: Any) -> Result:
         """Run one job to completion and return its Result (streamed underneath). Keywords are
-        make_submit's: max_tokens, stop, system, temperature, top_p, top_k, seed, cache, ..."""
+        make_submit's: max_tokens, stop, system, temperature, top_p, top_k, seed, verify_window,
+        cache, ..."""
         with self.stream(prompt, **kw) as s:
             for _ in s:
                 pass

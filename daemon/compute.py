@@ -113,6 +113,12 @@ class Compute:
                 return P.Error(code=P.BAD_POSITIONS, message=msg, job_id=job.job_id), "error"
             sparse = {"prompt_tokens_override": [ids[p] for p in positions], "prompt_token_positions": positions}
         policy = req.get("cache") or ("bypass" if positions is not None else "use")
+        # resolved when the job was accepted (version 3); a job persisted earlier has none
+        window = req.get("verify_window") or self.cfg.window()
+        block = self.pair.drafter.block_size
+        if isinstance(window, int) and window > block:
+            msg = f"verify_window {window} is larger than this draft's block of {block} tokens"
+            return P.Error(code=P.BAD_REQUEST, message=msg, job_id=job.job_id), "error"
 
         def should_cancel() -> bool:
             if job.expired():
@@ -133,7 +139,7 @@ class Compute:
             kv_bits=self.cfg.kv_bits,
             should_cancel=should_cancel,
             prefix_cache=caching.for_policy(self.prefix_cache, policy),
-            verify_window=self.cfg.verify_window,
+            verify_window=window,
             window_memory=self._window_memory(SamplingParams(**sampling).greedy),
             **sampling,
             **sparse,
@@ -152,6 +158,7 @@ class Compute:
         reason = job.cancel_reason or stats.get("finish_reason", "")
         stats["finish_reason"] = reason
         stats["sampling"] = {**asdict(SamplingParams()), **sampling}  # the engine's defaults: greedy
+        stats["verify_window"] = window
         self.counters["tokens_generated"] += len(final.token_ids)
         done = P.Done(job_id=job.job_id, text=final.text, token_ids=final.token_ids, stats=stats, finish_reason=reason)
         return done, ("cancelled" if reason == "cancelled" else "done")

@@ -72,6 +72,11 @@ class DaemonConfig:
     restart_backoff_s: float = 0.5
     restart_backoff_max_s: float = 30.0
 
+    def window(self) -> str | int:
+        """The verify window as a job carries it: "auto", "full" or a token count."""
+        w = str(self.verify_window)
+        return int(w) if w.isdigit() else w
+
     def resolved_endpoint(self) -> str:
         return self.endpoint or f"ipc://{self.runtime_path() / 'worker.sock'}"
 
@@ -127,9 +132,10 @@ class DaemonConfig:
         for name in ("max_queue", "max_tokens_limit", "max_prompt_tokens", "max_frame_bytes", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.verify_window not in ("auto", "full") and not (self.verify_window.isdigit() and int(self.verify_window) >= 1):
+        from .protocol import sampling_problem, verify_window_problem
+
+        if verify_window_problem(self.window()) is not None:
             raise ValueError(f"verify_window must be auto, full or a number of tokens >= 1, got {self.verify_window!r}")
-        from .protocol import sampling_problem
 
         problem = sampling_problem(self.temperature, self.top_p, self.top_k, self.seed)
         if problem is not None:

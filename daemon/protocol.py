@@ -7,9 +7,10 @@ into a request struct or raises ProtocolError with a machine-readable code; noth
 sends can make it raise anything else.
 
 Versions: 1 (the first); 2 appends temperature, top_p, top_k and seed to `submit` and adds the
-`bad_sampling` code. A message of another version is refused with `bad_version`, naming both
+`bad_sampling` code; 3 appends `verify_window` to `submit` (one job's verify window: "auto",
+"full" or a token count; plain decoding with 1). A message of another version is refused with `bad_version`, naming both
 versions (`version_error`); the `error`, `done` and `status` layouts are unchanged since 1, so
-an error answering a version-1 request is stamped `"v": 1` and an old client reads it as the
+an error answering a version-1 or -2 request is stamped with that version and an old client reads it as the
 typed error it is, instead of failing to decode it.
 """
 
@@ -23,10 +24,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterator, Union
 
-VERSION = 2
+VERSION = 3
 # Older versions whose error replies share this version's layout: an error answering a request of
 # one of these is stamped with the request's version, so that peer can decode it.
-OLDER_VERSIONS = (1,)
+OLDER_VERSIONS = (1, 2)
 
 # Error codes (replies of type "error"); clients map them to exception classes.
 BAD_FRAME = "bad_frame"  # not one frame, not msgpack, not a map
@@ -102,6 +103,19 @@ def sampling_problem(temperature: Any = None, top_p: Any = None, top_k: Any = No
     return None
 
 
+WINDOW_POLICIES = ("auto", "full")  # a verify window by name; else a token count >= 1
+
+
+def verify_window_problem(value: Any) -> str | None:
+    """Why `value` is not a verify window ("auto", "full" or an integer >= 1), else None (None:
+    unset). The block size bounds a count too; only the worker knows it (daemon/compute.py)."""
+    if value is None or value in WINDOW_POLICIES and isinstance(value, str):
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return None
+    return f"verify_window must be 'auto', 'full' or a number of tokens >= 1 (1 = plain decoding), got {value!r}"
+
+
 def check_job_id(job_id: Any) -> None:
     """Raise ProtocolError(BAD_REQUEST) unless job_id is 1-64 characters of [A-Za-z0-9_.-]."""
     if not (isinstance(job_id, str) and JOB_ID.fullmatch(job_id)):
@@ -110,7 +124,8 @@ def check_job_id(job_id: Any) -> None:
 
 
 def check_submit(sub: "Submit") -> None:
-    """The rules of a submit that need no worker settings (job id, token ids >= 0, sampling), so a
+    """The rules of a submit that need no worker settings (job id, token ids >= 0, sampling, the
+    verify window's form), so a
     client can refuse a bad value before sending it; raises ProtocolError like the worker would."""
     if sub.job_id:
         check_job_id(sub.job_id)
@@ -119,6 +134,9 @@ def check_submit(sub: "Submit") -> None:
         if neg is not None:
             raise ProtocolError(BAD_REQUEST, f"token ids must be >= 0, got {neg}", param="token_ids")
     check_sampling(sub.temperature, sub.top_p, sub.top_k, sub.seed)
+    problem = verify_window_problem(sub.verify_window)
+    if problem is not None:
+        raise ProtocolError(BAD_REQUEST, problem, param="verify_window")
 
 
 def check_types(msg: Any) -> None:
@@ -168,6 +186,9 @@ class Submit:
     top_p: float | None = None  # nucleus mass in (0, 1]; 1 = off
     top_k: int | None = None  # keep the k most likely tokens; 0 = off
     seed: int | None = None  # 0..2^64-1; None = a random seed (reported in done.stats.sampling)
+    # v3: this job's verify window, "auto", "full" or 1..block size (1 = plain decoding); None =
+    # the worker's setting (reported in done.stats.verify_window)
+    verify_window: str | int | None = None
 
 
 @dataclass

@@ -296,6 +296,8 @@ class Worker:
         if req.template_args:  # chat template keyword arguments (gateway: chat_template_kwargs)
             request["template_args"] = req.template_args
         request["sampling"] = self._sampling(req)
+        # resolved now too (unset: the worker's setting), so a re-run after a crash repeats it
+        request["verify_window"] = self.cfg.window() if req.verify_window is None else req.verify_window
         job = Job(job_id, self.store.next_seq(), request, req.priority, req.stream, 0, limit)
         self.store.save(job)  # durable before the client hears "accepted"
         if req.stream:

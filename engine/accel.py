@@ -148,7 +148,10 @@ def maybe_reexec(blas: str | None = None, module: str | None = None) -> None:
     blas = blas or os.environ.get("DFLASH_BLAS", "auto")
     extra = plan(blas)
     if extra is None:
-        os.environ.setdefault(MARK, "default BLAS (blas = none)" if blas == "none" else _describe())
+        # kept in this process only: as an environment variable it would reach child processes
+        # (a daemon started from here) and stop their own choice (MARK stops a re-exec loop)
+        global _CHOSEN
+        _CHOSEN = "default BLAS (blas = none)" if blas == "none" else None
         return
     if module is None:
         spec = getattr(sys.modules.get("__main__"), "__spec__", None)
@@ -161,6 +164,9 @@ def maybe_reexec(blas: str | None = None, module: str | None = None) -> None:
     os.execve(sys.executable, [sys.executable, *head, *sys.argv[1:]], env)
 
 
+_CHOSEN: str | None = None  # maybe_reexec's choice when it did not re-execute (None: _describe())
+
+
 def _describe() -> str:
     if sys.platform == "darwin":
         return "metal (Apple silicon)" if platform.machine() == "arm64" else "macOS CPU"
@@ -169,7 +175,7 @@ def _describe() -> str:
 
 def describe() -> str:
     """What the running worker chose (after maybe_reexec): the BLAS, and the MLX-CUDA switches set."""
-    text = os.environ.get(MARK) or _describe()
+    text = os.environ.get(MARK) or _CHOSEN or _describe()
     for name in CUDA_SETTINGS:
         s = setting(name)
         if s["value"] is not None:

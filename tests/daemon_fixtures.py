@@ -15,7 +15,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgpack
 import pytest
+import zmq
 
 from dflash.client import DFlashClient
 from dflash.client.errors import DFlashError
@@ -148,3 +150,19 @@ def reference(tiny_pair: tuple[str, str], prompt, max_tokens: int, **kw) -> tupl
         if isinstance(ev, Finished):
             return ev.text, ev.token_ids
     raise AssertionError("no Finished event")
+
+
+def raw_request(endpoint: str, msg: dict, timeout_ms: int = 10_000) -> dict:
+    """One request map as-is over a plain DEALER socket (an old or a foreign client, or a frame
+    no DFlashClient would send); the worker's reply map."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(msgpack.packb(msg, use_bin_type=True))
+        assert sock.poll(timeout_ms), "no reply"
+        return msgpack.unpackb(sock.recv(), raw=False)
+    finally:
+        sock.close(0)
+        ctx.term()

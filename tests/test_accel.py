@@ -105,3 +105,13 @@ def test_reexecuted_child_inherits_it(tmp_path: Path, blas: str) -> None:
     assert preloaded == str(blas == "auto" and accel.find_mkl() is not None)
     value, source, graphs, _ = _run("", dict(env, MLX_CUDA_USE_CUDNN_SDPA="1"), tmp_path, "probe").split()
     assert (value, source, graphs) == ("1", "None", "0")
+
+
+def test_a_choice_without_re_exec_stays_in_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`blas = none` (or no MKL) is reported by describe() but never exported: a daemon started
+    later from this process (a test, a script) must make its own choice, MKL included."""
+    monkeypatch.delenv(accel.MARK, raising=False)
+    monkeypatch.setattr(accel, "_CHOSEN", None)
+    accel.maybe_reexec(blas="none")  # nothing to do: returns without re-executing
+    assert accel.MARK not in os.environ
+    assert accel.describe().startswith("default BLAS (blas = none)")

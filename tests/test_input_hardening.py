@@ -13,11 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import msgpack
 import openai
 import pytest
-import zmq
-from daemon_fixtures import ROOT, make_daemon, tiny_pair  # noqa: F401
+from daemon_fixtures import ROOT, make_daemon, raw_request, tiny_pair  # noqa: F401
 from test_gateway import KEY, MSGS, Gateway, _error, daemon, pair  # noqa: F401
 
 from dflash.client import AsyncDFlashClient, BadRequestError, NotFoundError
@@ -199,34 +197,19 @@ def test_clients_refuse_what_they_would_misread(daemon):  # noqa: F811
 # ----------------------------------------------------------------------------- job ids (7)
 
 
-def _raw_exchange(endpoint: str, m: dict) -> dict:
-    """One frame to the worker on a raw DEALER socket; its reply map."""
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    try:
-        s.connect(endpoint)
-        s.send(msgpack.packb(m, use_bin_type=True))
-        assert s.poll(10_000), "no reply"
-        return msgpack.unpackb(s.recv(), raw=False)
-    finally:
-        s.close(0)
-        ctx.term()
-
-
 def test_the_worker_matches_job_ids_whole(daemon):  # noqa: F811
     for job_id in ("bad\n", "ok\nrest", "x" * 65):
-        reply = _raw_exchange(daemon.endpoint, P.to_map(P.Submit(rid=7, job_id=job_id, text="hi", max_tokens=2)))
+        reply = raw_request(daemon.endpoint, P.to_map(P.Submit(rid=7, job_id=job_id, text="hi", max_tokens=2)))
         assert (reply["type"], reply.get("code"), reply["rid"]) == ("error", P.BAD_REQUEST, 7), reply
     deep = P.to_map(P.Submit(rid=8, text="hi", max_tokens=2, template_args={"a": _nest(100)}))
-    reply = _raw_exchange(daemon.endpoint, deep)  # was an `internal` error (the job store recursed)
+    reply = raw_request(daemon.endpoint, deep)  # was an `internal` error (the job store recursed)
     assert (reply["type"], reply.get("code")) == ("error", P.BAD_REQUEST), reply
     # a negative token id: refused by the clients' rule (check_submit), not accepted to fail later
-    neg = _raw_exchange(daemon.endpoint, P.to_map(P.Submit(rid=5, token_ids=[1, -3], max_tokens=2, stream=False)))
+    neg = raw_request(daemon.endpoint, P.to_map(P.Submit(rid=5, token_ids=[1, -3], max_tokens=2, stream=False)))
     assert (neg["type"], neg.get("code")) == ("error", P.BAD_REQUEST) and ">= 0" in neg["message"], neg
     for op in (P.Cancel, P.JobStatus):  # a malformed id is a bad request, not an unknown job
         for job_id in ("bad\n", "", "x" * 65, "a b"):
-            reply = _raw_exchange(daemon.endpoint, P.to_map(op(rid=9, job_id=job_id)))
+            reply = raw_request(daemon.endpoint, P.to_map(op(rid=9, job_id=job_id)))
             assert (reply["type"], reply.get("code"), reply["rid"]) == ("error", P.BAD_REQUEST, 9), (op, reply)
     with daemon.client(timeout=10) as c:
         with pytest.raises(BadRequestError):

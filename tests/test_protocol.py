@@ -50,7 +50,8 @@ V = P.VERSION
         (b"\xc1", P.BAD_FRAME),  # never-used msgpack byte
         (msgpack.packb([1, 2]), P.BAD_FRAME),
         (msgpack.packb({"v": V + 1, "op": "stats"}), P.BAD_VERSION),
-        (msgpack.packb({"v": 1, "op": "stats"}), P.BAD_VERSION),  # the previous version
+        (msgpack.packb({"v": 1, "op": "stats"}), P.BAD_VERSION),  # older versions
+        (msgpack.packb({"v": 2, "op": "stats"}), P.BAD_VERSION),
         (msgpack.packb({"op": "stats"}), P.BAD_VERSION),
         (msgpack.packb({"v": V, "op": "nope"}), P.UNKNOWN_OP),
         (msgpack.packb({"v": V, "op": "submit", "max_tokens": "9"}), P.BAD_REQUEST),
@@ -142,18 +143,17 @@ def test_reply_structs_have_defaults_for_every_field():
 
 # ----------------------------------------------------------------------------- version 2: sampling
 
-# The submit fields of version 1, in their wire order: version 2 only appends.
+# The submit fields of version 1, in their wire order: versions 2 and 3 only append.
 V1_SUBMIT = ["rid", "job_id", "text", "messages", "token_ids", "system", "raw", "max_tokens", "stop", "priority",
              "stream", "timeout_s", "cache", "positions", "positions_name", "template_args"]
 
 
 def test_sampling_fields_are_appended_and_travel():
-    assert P.VERSION == 2 and P.OLDER_VERSIONS == (1,)
     names = [f.name for f in dataclasses.fields(P.Submit)]
-    assert names == V1_SUBMIT + ["temperature", "top_p", "top_k", "seed"]
+    assert names[:len(V1_SUBMIT) + 4] == V1_SUBMIT + ["temperature", "top_p", "top_k", "seed"]
     sub = P.Submit(rid=1, text="hi", temperature=0.7, top_p=0.9, top_k=40, seed=(1 << 64) - 1)
     wire = P.to_map(sub)
-    assert list(wire)[-4:] == ["temperature", "top_p", "top_k", "seed"]
+    assert list(wire)[-5:-1] == ["temperature", "top_p", "top_k", "seed"]
     assert codec.decode_request(codec.encode(sub)) == sub
     assert codec.decode_request(codec.encode(P.Submit(text="x", temperature=1))).temperature == 1  # int ok
 
@@ -169,6 +169,33 @@ def test_sampling_rules():
         with pytest.raises(P.ProtocolError) as e:
             P.check_sampling(**kw)
         assert (e.value.code, e.value.param) == (P.BAD_SAMPLING, param) and param in e.value.message
+
+
+# ----------------------------------------------------------------------------- version 3: verify window
+
+
+def test_verify_window_is_appended_and_travels():
+    assert P.VERSION == 3 and P.OLDER_VERSIONS == (1, 2)
+    names = [f.name for f in dataclasses.fields(P.Submit)]
+    assert names == V1_SUBMIT + ["temperature", "top_p", "top_k", "seed", "verify_window"]
+    for window in ("auto", "full", 1, 16, None):
+        sub = P.Submit(rid=2, text="hi", verify_window=window)
+        P.check_submit(sub)
+        assert list(P.to_map(sub))[-1] == "verify_window"
+        assert codec.decode_request(codec.encode(sub)) == sub
+
+
+def test_verify_window_rules():
+    for bad in (0, -1, "8", "AUTO", "", 2.0, True, [4]):
+        assert P.verify_window_problem(bad) is not None, bad
+        with pytest.raises(P.ProtocolError) as e:
+            P.check_submit(P.Submit(text="hi", verify_window=bad))
+        assert (e.value.code, e.value.param) == (P.BAD_REQUEST, "verify_window")
+        assert "verify_window must be" in e.value.message
+    # a decoded request of the wrong type is refused by the type check, naming the field
+    with pytest.raises(P.ProtocolError) as e:
+        P.parse_request({"v": P.VERSION, "op": "submit", "text": "hi", "verify_window": 2.5})
+    assert e.value.code == P.BAD_REQUEST and "verify_window" in e.value.message
 
 
 def test_version_errors_name_both_versions():

@@ -1,5 +1,5 @@
-"""Sampling parameters through every interface but HTTP (that is test_gateway.py): `dflash
-generate`, wire protocol version 2, the daemon, DFlashClient / AsyncDFlashClient and
+"""Sampling parameters, and (version 3) one job's verify window, through every interface but
+HTTP (that is test_gateway.py): `dflash generate`, wire protocol versions 2 and 3, the daemon, DFlashClient / AsyncDFlashClient and
 `dflash-client`. Real processes, real ZeroMQ, the tiny real model; the reference is the
 in-process engine with the same seed (and the same fixed verify window: a seed repeats its ids
 only under a fixed window, so the daemon here runs with verify_window = "full")."""
@@ -14,7 +14,7 @@ import msgpack
 import pytest
 import zmq
 from click.testing import CliRunner
-from daemon_fixtures import PROMPTS, Daemon, running, reference, tiny_pair  # noqa: F401
+from daemon_fixtures import PROMPTS, Daemon, raw_request, running, reference, tiny_pair  # noqa: F401
 
 from dflash.client import AsyncDFlashClient, BadRequestError, DFlashClient, ProtocolVersionError
 from dflash.daemon import protocol as P
@@ -22,6 +22,8 @@ from dflash.daemon import protocol as P
 PROMPT = PROMPTS[4]
 SAMPLED = dict(temperature=0.8, top_p=0.95, top_k=50, seed=11)
 FULL = dict(verify_window="full")
+WPROMPT = PROMPTS[6]
+WSAMPLED = dict(temperature=0.8, top_p=0.95, top_k=50, seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -33,21 +35,6 @@ def daemon(tiny_pair):  # noqa: F811
 def client(daemon):
     with daemon.client(timeout=20) as c:
         yield c
-
-
-def _raw(endpoint: str, msg: dict, timeout_ms: int = 10_000) -> dict:
-    """One request map as-is over a plain DEALER (an old or a foreign client); the reply map."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(endpoint)
-        sock.send(msgpack.packb(msg))
-        assert sock.poll(timeout_ms), "no reply"
-        return msgpack.unpackb(sock.recv())
-    finally:
-        sock.close(0)
-        ctx.term()
 
 
 # ----------------------------------------------------------------------------- the daemon
@@ -109,7 +96,7 @@ def test_bad_sampling_values_are_refused_and_the_daemon_survives(client, daemon)
     for bad, code in [({"temperature": "hot"}, P.BAD_REQUEST), ({"top_k": 1.5}, P.BAD_REQUEST),
                       ({"seed": True}, P.BAD_REQUEST), ({"temperature": -1.0}, P.BAD_SAMPLING),
                       ({"top_p": 2.0}, P.BAD_SAMPLING), ({"seed": -5}, P.BAD_SAMPLING)]:
-        reply = _raw(daemon.endpoint, {"v": P.VERSION, "op": "submit", "rid": 5, "text": "x", **bad})
+        reply = raw_request(daemon.endpoint, {"v": P.VERSION, "op": "submit", "rid": 5, "text": "x", **bad})
         assert (reply["type"], reply["code"], reply["rid"]) == ("error", code, 5), reply
     st = client.stats()
     assert st["pid"] == pid and st["state"] == "ready" and st["protocol"] == P.VERSION
@@ -132,6 +119,76 @@ def test_config_defaults_apply_when_a_request_leaves_them_unset(tiny_pair):  # n
         d.stop()
 
 
+# ----------------------------------------------------------------------------- a job's verify window (v3)
+
+
+def test_a_job_window_overrides_the_worker_setting(client, tiny_pair):  # noqa: F811
+    greedy = reference(tiny_pair, WPROMPT, 16)[1]
+    full = client.generate(WPROMPT, max_tokens=16)  # the worker's setting: the whole block
+    assert full.token_ids == greedy and full.stats["verify_window"] == "full"
+    assert full.stats["mean_verify_window"] == full.stats["block_size"]
+    plain = client.generate(WPROMPT, max_tokens=16, verify_window=1)
+    assert plain.token_ids == greedy and plain.stats["verify_window"] == 1
+    assert plain.stats["accepted_drafts"] == 0 and plain.stats["mean_verify_window"] == 1.0
+    assert plain.stats["plain_steps"] == plain.stats["cycles"] == 15  # the prefill gives the first token
+    four = client.generate(WPROMPT, max_tokens=16, verify_window=4)
+    assert four.token_ids == greedy and four.stats["mean_verify_window"] <= 4
+    auto = client.generate(WPROMPT, max_tokens=16, verify_window="auto", cache="bypass")
+    assert auto.token_ids == greedy and auto.stats["verify_window"] == "auto"
+    # a seed repeats its ids under a fixed window: the job's own window is the one that counts
+    sampled = client.generate(WPROMPT, max_tokens=16, verify_window=4, **WSAMPLED)
+    assert sampled.token_ids == reference(tiny_pair, WPROMPT, 16, verify_window=4, **WSAMPLED)[1]
+    assert client.stats()["generation"]["verify_window"] == "full"  # the worker's setting stays
+
+
+def test_bad_windows_are_refused_and_the_daemon_survives(client, daemon):
+    pid = client.stats()["pid"]
+    for bad in (0, -2, "8", "whole"):
+        with pytest.raises(BadRequestError) as e:  # refused by the client, before the wire
+            client.generate(WPROMPT, max_tokens=4, verify_window=bad)
+        assert e.value.code == P.BAD_REQUEST and "verify_window must be" in e.value.message
+    with pytest.raises(TypeError):
+        client.generate(WPROMPT, max_tokens=4, verify_window=2.5)
+    for bad in (0, "8", 2.5, True, [1]):  # the worker's own check: what a foreign client can send
+        reply = raw_request(daemon.endpoint, {"v": P.VERSION, "op": "submit", "rid": 7, "text": "x", "verify_window": bad})
+        assert (reply["type"], reply["code"], reply["rid"]) == ("error", P.BAD_REQUEST, 7), reply
+        assert "verify_window" in reply["message"]
+    with pytest.raises(BadRequestError) as e:  # a count over the block: the job's error when it starts
+        client.generate(WPROMPT, max_tokens=4, verify_window=99)
+    assert e.value.code == P.BAD_REQUEST and "block of 16 tokens" in e.value.message
+    st = client.stats()
+    assert st["pid"] == pid and st["state"] == "ready"
+    assert len(client.generate(WPROMPT, max_tokens=4, verify_window=2).token_ids) == 4  # still serving
+
+
+def test_dflash_client_compare_plain(daemon, tiny_pair):  # noqa: F811
+    from dflash.client.cli import main
+
+    greedy = reference(tiny_pair, WPROMPT, 12)[1]
+    base = ["--endpoint", daemon.endpoint, "--timeout", "20", "prompt", "-m", "12"]
+    res = CliRunner().invoke(main, [*base, "--json", "--compare-plain", WPROMPT])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["token_ids"] == greedy and out["stats"]["verify_window"] == "full"
+    plain = out["plain"]
+    assert plain["same_tokens"] and plain["parts_at"] is None and plain["greedy"]
+    assert plain["generated_tokens"] == 12 and plain["stats"]["verify_window"] == 1
+    assert plain["stats"]["cached_prompt_tokens"] == 0  # the plain run bypasses the prefix cache
+    assert plain["speedup"] == pytest.approx(out["stats"]["decode_tps"] / plain["decode_tps"])
+    # the human form: the text, the job's stats line, then the comparison, on stderr
+    res = CliRunner().invoke(main, [*base, "--stats", "--verify-window", "4", "--compare-plain", WPROMPT])
+    assert res.exit_code == 0, res.output
+    err = res.stderr.splitlines()
+    assert err[0].startswith("[dflash] prompt ") and "decoding the same prompt plainly" in err[1]
+    assert "x plain decoding (measured)" in err[2] and "the same tokens: yes" in err[2], err
+    # sampled: the same seed, but no claim that the texts agree
+    res = CliRunner().invoke(main, [*base, "--compare-plain", "--temperature", "0.8", "--seed", "5", WPROMPT])
+    assert res.exit_code == 0 and "two draws from the same distribution" in res.stderr, res.output
+    for flags in (["--verify-window", "0"], ["--verify-window", "whole"]):
+        res = CliRunner().invoke(main, [*base, *flags, WPROMPT])
+        assert res.exit_code == 2 and "verify_window must be" in res.output, (flags, res.output)
+
+
 # ----------------------------------------------------------------------------- versions
 
 
@@ -139,10 +196,10 @@ def test_an_old_client_gets_a_version_error_it_can_read(daemon, client):
     """A version-1 client's submit: the error comes back stamped version 1 (so that client's
     decoder accepts it), with the code bad_version and both versions in the message."""
     v1_submit = {"v": 1, "op": "submit", "rid": 9, "job_id": "", "text": "hi", "max_tokens": 4}
-    reply = _raw(daemon.endpoint, v1_submit)
+    reply = raw_request(daemon.endpoint, v1_submit)
     assert (reply["v"], reply["type"], reply["code"], reply["rid"]) == (1, "error", P.BAD_VERSION, 9)
     assert "request is version 1" in reply["message"] and f"speaks version {P.VERSION}" in reply["message"]
-    future = _raw(daemon.endpoint, {"v": P.VERSION + 1, "op": "stats", "rid": 2})
+    future = raw_request(daemon.endpoint, {"v": P.VERSION + 1, "op": "stats", "rid": 2})
     assert (future["v"], future["code"]) == (P.VERSION, P.BAD_VERSION)  # unknown: our own version
     assert client.stats()["state"] == "ready"
 
