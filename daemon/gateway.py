@@ -180,6 +180,8 @@ class Gateway:
         kw: dict[str, Any] = dict(job_id=job_id, raw=req.raw, max_tokens=req.max_tokens, stop=req.stop, **sampling)
         if req.template_args:
             kw["template_args"] = req.template_args
+        if req.verify_window is not None:
+            kw["verify_window"] = req.verify_window
         events = self.client.stream(req.prompt, **kw)
         async with contextlib.aclosing(events):  # leaving early (disconnect, error) cancels the job
             first = await anext(events)  # daemon errors up to here still get a proper status

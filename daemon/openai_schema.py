@@ -28,7 +28,11 @@ _UNAPPLIED: dict[str, Callable[[float], bool]] = {
 _IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "tool_choice",
             "top_logprobs", "logit_bias", "logprobs", "n", "tools", "response_format", "echo", "best_of",
             "suffix", "functions", "function_call"}
-_COMMON = {"model", "stream", "stream_options", "stop", "max_tokens"} | set(SAMPLING) | set(_UNAPPLIED) | _IGNORED
+# dflash's own extra field (as top_k is vLLM's): the job's verify window, "auto", "full" or a token
+# count, 1 = plain decoding (protocol version 3); absent or null: the daemon's setting
+_EXTRA = {"verify_window"}
+_COMMON = ({"model", "stream", "stream_options", "stop", "max_tokens"} | set(SAMPLING) | set(_UNAPPLIED) | _IGNORED
+           | _EXTRA)
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"}
 _COMPLETION_FIELDS = _COMMON | {"prompt"}
 # Keyword arguments of apply_chat_template that a request must not override.
@@ -76,6 +80,7 @@ class GenRequest:
     top_k: int | None = None
     seed: int | None = None
     unapplied: list[str] = field(default_factory=list)  # sampling fields asking for what is not applied
+    verify_window: str | int | None = None  # the job's own window (None: the daemon's)
 
     def sampling(self) -> dict[str, Any]:
         """The sampling fields the request set (absent ones are left out)."""
@@ -160,6 +165,10 @@ def _common(body: dict, kind: str, prompt: Any, raw: bool) -> GenRequest:
     _check_unsupported(body)
     _sampling(body, req)
     req.unapplied = _unapplied(body)
+    req.verify_window = body.get("verify_window")
+    problem = P.verify_window_problem(req.verify_window)
+    if problem is not None:
+        raise bad(problem, "verify_window")
     return req
 
 
@@ -301,8 +310,10 @@ def usage(stats: dict) -> dict[str, Any]:
 
 def engine_facts(job_id: str, stats: dict) -> dict[str, Any]:
     """The `dflash` extension field: the job, the sampling the worker applied (temperature, top_p,
-    top_k, seed: the one drawn when none was given) and the speculative-decoding numbers."""
-    keys = ("acceptance", "tokens_per_cycle", "cycles", "accepted_drafts", "ttft_s", "prefill_tps", "decode_tps")
+    top_k, seed: the one drawn when none was given), its verify window and the speculative-decoding
+    numbers."""
+    keys = ("verify_window", "acceptance", "tokens_per_cycle", "cycles", "accepted_drafts", "ttft_s", "prefill_tps",
+            "decode_tps")
     return {"job_id": job_id, "sampling": stats.get("sampling"), **{k: stats.get(k) for k in keys}}
 
 

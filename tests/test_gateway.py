@@ -257,6 +257,27 @@ def test_bad_sampling_values_in_openai_shape(gw):
     assert status == 200  # -1: off; null: absent; an integral float seed is an integer
 
 
+def test_a_request_sets_its_verify_window(gw, pair):
+    """dflash's extra field: verify_window reaches the job (1 = plain decoding: no draft cycle),
+    the answer is the same greedy text, and the `dflash` object says what ran."""
+    c = gw.openai()
+    text, ids = reference(pair, MSGS, 12)
+    for window, plain in ((1, True), (4, False), ("full", False)):
+        r = c.chat.completions.create(model="tiny-chat", messages=MSGS, max_tokens=12,
+                                      extra_body={"verify_window": window})
+        facts = r.model_extra["dflash"]
+        assert r.choices[0].message.content == text and facts["verify_window"] == window
+        assert (facts["accepted_drafts"] == 0 and facts["tokens_per_cycle"] == 1.0) if plain else True
+    for bad in (0, "8", 2.5, True):
+        status, _, body = gw.http("POST", "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2,
+                                                                   "verify_window": bad})
+        err = _error(status, body)
+        assert (status, err["code"], err["param"]) == (400, "invalid_value", "verify_window"), (bad, err)
+    status, _, body = gw.http("POST", "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2,
+                                                               "verify_window": 99})
+    assert status == 400 and "block of 16 tokens" in _error(status, body)["message"]
+
+
 def test_sampling_policies_and_server_defaults(daemon, pair):
     want = reference(pair, MSGS, 8, temperature=0.8, top_p=1.0, top_k=20, seed=5, verify_window="full")[0]
     greedy = reference(pair, MSGS, 8)[0]
