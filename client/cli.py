@@ -178,26 +178,10 @@ def _plain_run(client: DFlashClient, text: str, job: dict, res: Result) -> dict:
         sys.exit(130)
     except E.DFlashError as e:
         _fail(e)
-    fast, slow = res.stats.get("decode_tps", 0.0), other.stats.get("decode_tps", 0.0)
-    parts = next((i for i, (a, b) in enumerate(zip(res.token_ids, other.token_ids)) if a != b), None)
-    if parts is None and len(res.token_ids) != len(other.token_ids):
-        parts = min(len(res.token_ids), len(other.token_ids))
-    return {"decode_tps": slow, "generated_tokens": len(other.token_ids),
-            "speedup": fast / slow if slow else 0.0, "same_tokens": parts is None, "parts_at": parts,
-            "greedy": not sampling.get("temperature"), "stats": other.stats}
+    from dflash.engine.generate import plain_comparison
 
-
-def plain_line(plain: dict, dflash_tps: float) -> str:
-    """One human line comparing a job with its plain re-run (`--compare-plain`)."""
-    if not plain["greedy"]:
-        same = "sampled, so the two texts are two draws from the same distribution"
-    elif plain["same_tokens"]:
-        same = "the same tokens: yes"
-    else:
-        same = (f"the same tokens: no, they part at token {plain['parts_at']} (on a GPU in bf16 a verify and a "
-                "step can round a near-tie differently; README, lossless)")
-    return (f"[dflash] plain decoding: {plain['generated_tokens']} tok, {plain['decode_tps']:.1f} tok/s | "
-            f"DFlash {dflash_tps:.1f} tok/s = {plain['speedup']:.2f}x plain decoding (measured) | {same}")
+    return plain_comparison(res.token_ids, res.stats, other.token_ids, other.stats,
+                            greedy=not sampling.get("temperature"))
 
 
 def _stats_line(res: Result) -> None:
@@ -239,7 +223,9 @@ def _finish(res: Result, as_json: bool, show_stats: bool, text_shown: bool | Non
     if show_stats:
         _stats_line(res)
     if plain is not None and not as_json:
-        click.echo(plain_line(plain, res.stats.get("decode_tps", 0.0)), err=True)
+        from dflash.engine.generate import comparison_line
+
+        click.echo(comparison_line(plain, res.stats.get("decode_tps", 0.0)), err=True)
     if res.finish_reason == "timeout":
         sys.exit(124)
 

@@ -48,10 +48,13 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
               help="Keep the k most likely tokens; 0 = off.")
 @click.option("--seed", type=click.IntRange(0, (1 << 64) - 1), default=None,
               help="Random seed for sampling; default: a random one, printed. The same seed repeats the same ids under a fixed --verify-window (auto follows timings).")
+@click.option("--compare-plain", is_flag=True,
+              help="Then decode the same prompt plainly (verify window 1) and print the measured speedup and "
+                   "whether the tokens are the same (--json: under 'plain').")
 def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtype, kv_bits, verify_window, copy_draft,
-             as_json, temperature, top_p, top_k, seed):
+             as_json, temperature, top_p, top_k, seed, compare_plain):
     """Generate with DFlash (greedy by default); prints text as it streams, then the stats."""
-    from .generate import Finished, format_stats, stream_dflash_generate
+    from .generate import Finished, comparison_line, format_stats, plain_comparison, stream_dflash_generate
     from .loading import load_pair
     from .prompting import build_prompt
 
@@ -75,17 +78,32 @@ def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtyp
             elif not as_json:
                 click.echo(ev.text, nl=False)
                 sys.stdout.flush()
+        plain = None
+        if compare_plain:
+            if not as_json:
+                click.echo()
+                click.echo(format_stats(final.stats.to_dict()), err=True)
+                click.echo("[dflash] decoding the same prompt plainly (verify window 1) to compare ...", err=True)
+            other = None
+            for ev in stream_dflash_generate(pair.target, pair.drafter, pair.tokenizer, ids, max_tokens, stop=stop,
+                                             kv_bits=kv_bits, verify_window=1, **sampling):
+                other = ev if isinstance(ev, Finished) else other
+            plain = plain_comparison(final.token_ids, final.stats.to_dict(), other.token_ids,
+                                     other.stats.to_dict(), greedy=temperature == 0)
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from e
     s = final.stats
     if as_json:
-        click.echo(json.dumps({"text": final.text, "token_ids": final.token_ids, "stats": s.to_dict(),
-                               "sampling": sampling}))
-    else:
+        out = {"text": final.text, "token_ids": final.token_ids, "stats": s.to_dict(), "sampling": sampling}
+        click.echo(json.dumps(out if plain is None else {**out, "plain": plain}))
+        return
+    if plain is None:
         click.echo()
         click.echo(format_stats(s.to_dict()), err=True)
-        if temperature > 0:
-            click.echo(f"sampling: temperature {temperature:g}, top_p {top_p:g}, top_k {top_k}, seed {seed}", err=True)
+    else:
+        click.echo(comparison_line(plain, s.decode_tps), err=True)
+    if temperature > 0:
+        click.echo(f"sampling: temperature {temperature:g}, top_p {top_p:g}, top_k {top_k}, seed {seed}", err=True)
 
 
 @main.command("make-tiny")

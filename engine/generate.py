@@ -418,6 +418,31 @@ def format_stats(s: dict[str, Any]) -> str:
     )
 
 
+def plain_comparison(ids: list[int], stats: dict[str, Any], plain_ids: list[int], plain_stats: dict[str, Any],
+                     greedy: bool) -> dict[str, Any]:
+    """A run against the same prompt decoded plainly (verify window 1): the measured speedup of
+    decode tok/s, and whether the ids agree (where they part; None: they do not)."""
+    fast, slow = stats.get("decode_tps", 0.0), plain_stats.get("decode_tps", 0.0)
+    parts = next((i for i, (a, b) in enumerate(zip(ids, plain_ids)) if a != b), None)
+    if parts is None and len(ids) != len(plain_ids):
+        parts = min(len(ids), len(plain_ids))
+    return {"decode_tps": slow, "generated_tokens": len(plain_ids), "speedup": fast / slow if slow else 0.0,
+            "same_tokens": parts is None, "parts_at": parts, "greedy": greedy, "stats": plain_stats}
+
+
+def comparison_line(plain: dict[str, Any], dflash_tps: float) -> str:
+    """One human line for plain_comparison()'s dict (`--compare-plain`)."""
+    if not plain["greedy"]:
+        same = "sampled, so the two texts are two draws from the same distribution"
+    elif plain["same_tokens"]:
+        same = "the same tokens: yes"
+    else:
+        same = (f"the same tokens: no, they part at token {plain['parts_at']} (on a GPU in bf16 a verify and a "
+                "step can round a near-tie differently; README, lossless)")
+    return (f"[dflash] plain decoding: {plain['generated_tokens']} tok, {plain['decode_tps']:.1f} tok/s | "
+            f"DFlash {dflash_tps:.1f} tok/s = {plain['speedup']:.2f}x plain decoding (measured) | {same}")
+
+
 def _rows(s: dict[str, Any]) -> str:
     """The branches part of the stats line (engine/branches.py), when more than one row ran."""
     rows = s.get("branch_rows", 1)

@@ -269,6 +269,25 @@ def test_dflash_client_prompt_flags(daemon, tiny_pair):  # noqa: F811
         assert res.exit_code == 2 and word in res.output, (flags, res.output)
 
 
+def test_dflash_generate_compare_plain(tiny_pair):  # noqa: F811
+    """`dflash generate --compare-plain`: the same prompt decoded plainly in the same process."""
+    from dflash.engine.cli import main
+
+    model, draft = tiny_pair
+    run = CliRunner(env={"DFLASH_BLAS": "none"})
+    base = ["generate", "--model", model, "--draft", draft, "--prompt", WPROMPT, "-m", "12", "--compare-plain"]
+    out = json.loads(run.invoke(main, [*base, "--json"]).stdout)
+    assert out["token_ids"] == reference(tiny_pair, WPROMPT, 12)[1]
+    plain = out["plain"]
+    assert plain["same_tokens"] and plain["greedy"] and plain["generated_tokens"] == 12
+    assert plain["stats"]["plain_steps"] == plain["stats"]["cycles"] and plain["stats"]["accepted_drafts"] == 0
+    res = run.invoke(main, base)
+    assert res.exit_code == 0, res.output
+    err = res.stderr.splitlines()
+    assert err[0].startswith("[dflash] prompt ") and "decoding the same prompt plainly" in err[1]
+    assert "x plain decoding (measured)" in err[2] and "the same tokens: yes" in err[2], err
+
+
 def test_dflash_generate_flags(tiny_pair):  # noqa: F811
     from dflash.engine.cli import main
 
