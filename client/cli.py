@@ -94,7 +94,7 @@ def _window(ctx, param, value):
     """--verify-window: auto, full or a token count (checked against the block by the worker)."""
     if value is None:
         return None
-    window = int(value) if value.isdigit() else value
+    window = P.window_from_text(value)
     problem = P.verify_window_problem(window)
     if problem is not None:
         raise click.BadParameter(problem)
@@ -160,7 +160,9 @@ def prompt(client: DFlashClient, text, max_tokens, system, stop, priority, raw, 
             if show_stats:
                 _stats_line(res)
                 show_stats = False
-            click.echo("[dflash] decoding the same prompt plainly (verify window 1) to compare ...", err=True)
+            from dflash.engine.generate import COMPARING
+
+            click.echo(COMPARING, err=True)
         plain = _plain_run(client, text, job, res)
     _finish(res, as_json, show_stats, text_shown=text_shown, plain=plain)
 

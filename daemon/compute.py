@@ -97,6 +97,7 @@ class Compute:
     def _generate(self, job: Job) -> tuple[Any, str]:
         from dflash.engine.generate import Finished, stream_dflash_generate
         from dflash.engine.sampling import SamplingParams
+        from dflash.engine.window import fixed_window
 
         if self.pair is None:
             return P.Error(code=P.NOT_READY, message=f"model not loaded: {self.load_error}", job_id=job.job_id), "error"
@@ -115,10 +116,10 @@ class Compute:
         policy = req.get("cache") or ("bypass" if positions is not None else "use")
         # resolved when the job was accepted (version 3); a job persisted earlier has none
         window = req.get("verify_window") or self.cfg.window()
-        block = self.pair.drafter.block_size
-        if isinstance(window, int) and window > block:
-            msg = f"verify_window {window} is larger than this draft's block of {block} tokens"
-            return P.Error(code=P.BAD_REQUEST, message=msg, job_id=job.job_id), "error"
+        try:  # the engine's own rule (a count up to the draft's block), before any work
+            fixed_window(window, self.pair.drafter.block_size)
+        except ValueError as e:
+            return P.Error(code=P.BAD_REQUEST, message=str(e), job_id=job.job_id), "error"
 
         def should_cancel() -> bool:
             if job.expired():

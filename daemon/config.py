@@ -74,8 +74,9 @@ class DaemonConfig:
 
     def window(self) -> str | int:
         """The verify window as a job carries it: "auto", "full" or a token count."""
-        w = str(self.verify_window)
-        return int(w) if w.isdigit() else w
+        from .protocol import window_from_text
+
+        return window_from_text(str(self.verify_window))
 
     def resolved_endpoint(self) -> str:
         return self.endpoint or f"ipc://{self.runtime_path() / 'worker.sock'}"

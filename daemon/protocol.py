@@ -106,6 +106,11 @@ def sampling_problem(temperature: Any = None, top_p: Any = None, top_k: Any = No
 WINDOW_POLICIES = ("auto", "full")  # a verify window by name; else a token count >= 1
 
 
+def window_from_text(text: str) -> str | int:
+    """A verify window written as text (a config value, a command-line flag): digits are a count."""
+    return int(text) if text.isdigit() else text
+
+
 def verify_window_problem(value: Any) -> str | None:
     """Why `value` is not a verify window ("auto", "full" or an integer >= 1), else None (None:
     unset). The block size bounds a count too; only the worker knows it (daemon/compute.py)."""

@@ -54,7 +54,7 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtype, kv_bits, verify_window, copy_draft,
              as_json, temperature, top_p, top_k, seed, compare_plain):
     """Generate with DFlash (greedy by default); prints text as it streams, then the stats."""
-    from .generate import Finished, comparison_line, format_stats, plain_comparison, stream_dflash_generate
+    from .generate import COMPARING, Finished, comparison_line, format_stats, plain_comparison, stream_dflash_generate
     from .loading import load_pair
     from .prompting import build_prompt
 
@@ -83,7 +83,7 @@ def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtyp
             if not as_json:
                 click.echo()
                 click.echo(format_stats(final.stats.to_dict()), err=True)
-                click.echo("[dflash] decoding the same prompt plainly (verify window 1) to compare ...", err=True)
+                click.echo(COMPARING, err=True)
             other = None
             for ev in stream_dflash_generate(pair.target, pair.drafter, pair.tokenizer, ids, max_tokens, stop=stop,
                                              kv_bits=kv_bits, verify_window=1, **sampling):

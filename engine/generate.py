@@ -418,6 +418,9 @@ def format_stats(s: dict[str, Any]) -> str:
     )
 
 
+COMPARING = "[dflash] decoding the same prompt plainly (verify window 1) to compare ..."
+
+
 def plain_comparison(ids: list[int], stats: dict[str, Any], plain_ids: list[int], plain_stats: dict[str, Any],
                      greedy: bool) -> dict[str, Any]:
     """A run against the same prompt decoded plainly (verify window 1): the measured speedup of

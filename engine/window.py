@@ -172,6 +172,28 @@ class WindowMemory:
     copy_p: float | None = None  # per-token acceptance of copies
 
 
+def fixed_window(policy: str | int, block_size: int, allow_plain: bool = True) -> int | None:
+    """The window a policy pins ("full": the block; a count), None for "auto"; ValueError for a
+    policy the draft's block (or, with `allow_plain=False`, the target's caches) cannot take.
+    The daemon checks a job's window here before it runs (daemon/compute.py)."""
+    if policy == "auto":
+        return None
+    if policy == "full":
+        return block_size
+    try:
+        k = int(policy)
+    except (TypeError, ValueError):
+        raise ValueError(f"verify window must be 1..{block_size}, 'auto' or 'full'; got {policy!r}") from None
+    if k > block_size:
+        raise ValueError(f"verify window {k} is larger than this draft's block of {block_size} tokens")
+    if k < 1:
+        raise ValueError(f"verify window must be 1..{block_size}, 'auto' or 'full'; got {policy}")
+    if k == 1 and not allow_plain:
+        raise ValueError("verify window 1 (plain steps) is not available for this target: "
+                         "its sliding-window cache cannot undo a single token; use 2 or more")
+    return k
+
+
 class VerifyWindow:
     """Chooses the verify window each cycle; `fixed` pins it (tests, the published method).
 
@@ -188,18 +210,7 @@ class VerifyWindow:
         self.short_max = short_max  # windows up to this draft with a block cut to k rows
         self.probe_window = probe_window
         self.allow_plain = allow_plain
-        if policy == "auto":
-            self.fixed = None
-        elif policy == "full":
-            self.fixed = block_size
-        else:
-            k = int(policy)
-            if not 1 <= k <= block_size:
-                raise ValueError(f"verify window must be 1..{block_size}, 'auto' or 'full'; got {policy}")
-            if k == 1 and not allow_plain:
-                raise ValueError("verify window 1 (plain steps) is not available for this target: "
-                                 "its sliding-window cache cannot undo a single token; use 2 or more")
-            self.fixed = k
+        self.fixed = fixed_window(policy, block_size, allow_plain)
         self.decay = decay
         self.probe_every = probe_every
         self.wide = wide_windows()
