@@ -19,7 +19,7 @@ import mlx.core as mx
 from . import draftvocab
 from .draft import DFlashDraft, DraftConfig
 from .drafters import DFlashDrafter, Drafter, OracleDrafter
-from .loading import DTYPES, draft_dtype, floating_dtypes, main_dtype
+from .loading import DTYPES, draft_dtype, floating_dtypes, main_dtype, resolve_model
 from .target import TargetModel, default_layer_ids
 
 # Named shapes for --random-target (public architecture numbers of the Qwen3 family).
@@ -264,13 +264,14 @@ def build_setup(cfg: BenchConfig) -> Setup:
                      draft, cfg.block_size, True, desc, decisive)
     if not cfg.model:
         raise ValueError("--model (or --random-target) is required")
+    local = resolve_model(cfg.model)  # a clear error for a missing model, before any draft's
     if not cfg.oracle and not cfg.draft:
         from .registry import resolve_draft
 
-        cfg.draft = str(resolve_draft(cfg.model))  # clear error when no draft is known
+        cfg.draft = str(resolve_draft(cfg.model, model_dir=local))  # clear error when no draft is known
     from mlx_lm import load as mlx_load
 
-    model, tok = mlx_load(cfg.model)
+    model, tok = mlx_load(local)
     if cfg.dtype:
         model.set_dtype(DTYPES[cfg.dtype])
     draft = None

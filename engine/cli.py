@@ -13,7 +13,7 @@ import click
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.pass_context
 def main(ctx: click.Context) -> None:
-    """DFlash block-diffusion speculative decoding on MLX (lossless, greedy)."""
+    """DFlash block-diffusion speculative decoding on MLX: the target's own output (greedy, or exact sampling), faster."""
     if ctx.invoked_subcommand in ("generate", "benchmark", "train-draft", "eval-draft"):
         from .accel import maybe_reexec
 
@@ -92,6 +92,9 @@ def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtyp
                                      other.stats.to_dict(), greedy=temperature == 0)
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from e
+    except KeyboardInterrupt:  # Ctrl-C: what streamed stays on screen; exit as a shell expects
+        click.echo("\ncancelled", err=True)
+        sys.exit(130)
     s = final.stats
     if as_json:
         out = {"text": final.text, "token_ids": final.token_ids, "stats": s.to_dict(), "sampling": sampling}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,7 @@ import mlx.core as mx
 from . import draftvocab
 from .draft import load_draft
 from .drafters import DFlashDrafter
-from .registry import resolve_draft
+from .registry import hf_cache_dir, resolve_draft
 from .target import TargetModel
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -53,6 +54,35 @@ def draft_dtype(target_model: Any, dtype: str | None) -> mx.Dtype | None:
     return mx.float32 if main_dtype(target_model) == "float32" else None
 
 
+class ModelNotFoundError(FileNotFoundError):
+    """The target model is not a local model directory (dflash never downloads one)."""
+
+
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def resolve_model(model: str | Path) -> str:
+    """The local directory of `model`: a path, or a Hugging Face repo id already in the local
+    cache. Checked before anything loads, because mlx-lm would otherwise take a missing path for
+    a repo id and try the network, and a user would read a draft or hub error for a typo."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{model} is not a model directory (it has no config.json); "
+                                     "`dflash import` makes one")
+        return str(path)
+    if path.exists():
+        raise ModelNotFoundError(f"{model} is a file, not a model directory")
+    text = str(model)
+    if _REPO_ID.fullmatch(text):
+        snap = hf_cache_dir(text)
+        if snap is not None:
+            return str(snap)
+        raise ModelNotFoundError(f"model {text} not found: no such directory, and no such repo in the "
+                                 "local Hugging Face cache (dflash never downloads)")
+    raise ModelNotFoundError(f"model directory not found: {text}")
+
+
 @dataclass
 class Pair:
     """A loaded target, its drafter and tokenizer, ready for stream_dflash_generate."""
@@ -73,10 +103,11 @@ def load_pair(
     """Load target + draft; with no draft given, resolve it from the registry of known pairs."""
     from mlx_lm import load as mlx_load
 
-    draft_path = Path(draft) if draft else resolve_draft(str(model))
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    model_obj, tokenizer = mlx_load(str(model))
+    local = resolve_model(model)
+    draft_path = Path(draft) if draft else resolve_draft(str(model), model_dir=local)
+    model_obj, tokenizer = mlx_load(local)
     if dtype is not None:
         model_obj.set_dtype(DTYPES[dtype])
     draft_model = load_draft(draft_path, draft_dtype(model_obj, dtype))

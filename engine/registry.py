@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -42,7 +43,8 @@ def _base_name(target: str) -> str:
     return name
 
 
-def _hf_cache_dir(repo: str) -> Path | None:
+def hf_cache_dir(repo: str) -> Path | None:
+    """The newest snapshot of `repo` in the local Hugging Face cache, if any."""
     home = os.environ.get("HF_HUB_CACHE") or os.path.join(
         os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub"
     )
@@ -54,8 +56,10 @@ def _hf_cache_dir(repo: str) -> Path | None:
     return None
 
 
-def resolve_draft(target: str, search_dirs: list[Path] | None = None) -> Path:
-    """Find the draft for `target` without the network, or explain how to get one."""
+def resolve_draft(target: str, search_dirs: list[Path] | None = None, model_dir: str | Path | None = None) -> Path:
+    """Find the draft for `target` (its name as typed: a path or a repo id) without the network,
+    or explain how to get one; `model_dir`: where the model is (default `target`), whose shape
+    finds a bundled draft when the name does not."""
     base = _base_name(target).lower()
     repo = next((r for t, r in KNOWN_PAIRS.items() if t.lower() == base), None)
     dirs = list(search_dirs or [])
@@ -69,8 +73,12 @@ def resolve_draft(target: str, search_dirs: list[Path] | None = None) -> Path:
             cand = d / n
             if (cand / "config.json").is_file():
                 return cand
+    if not repo:
+        bundled = _bundled_for_shape(Path(model_dir or target))
+        if bundled is not None:
+            return bundled
     if repo:
-        snap = _hf_cache_dir(repo)
+        snap = hf_cache_dir(repo)
         if snap is not None:
             return snap
         raise DraftNotFoundError(
@@ -78,6 +86,36 @@ def resolve_draft(target: str, search_dirs: list[Path] | None = None) -> Path:
             f"download it on a connected machine (huggingface-cli download {repo}) or pass --draft"
         )
     raise DraftNotFoundError(
-        f"no DFlash draft is known for {target}; pass --draft PATH, or train one with "
-        f"`dflash train-draft --target {target} --out DIR`"
+        f"no DFlash draft is known for {target} (drafts are found by the model folder's name, "
+        f"e.g. SmolLM2-135M-Instruct, or for a bundled draft by the model's shape); pass --draft "
+        f"PATH, or train one with `dflash train-draft --target {target} --out DIR`"
     )
+
+
+def _shape(config: dict) -> tuple | None:
+    """What a draft must share with its target: hidden size, vocabulary, layer count."""
+    c = config.get("text_config", config)
+    try:
+        return int(c["hidden_size"]), int(c["vocab_size"]), int(c["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _bundled_for_shape(target: Path) -> Path | None:
+    """A bundled draft whose target has this local model's shape: `dflash import` can write the
+    default target into a folder of any name. A draft of another model of the same shape would
+    still be lossless (the target decides every token); it would only be slower."""
+    try:
+        want = _shape(json.loads((target / "config.json").read_text()))
+    except (OSError, ValueError):
+        return None
+    if want is None:
+        return None
+    for d in sorted((Path(__file__).parent / "drafts").iterdir()):
+        try:
+            cfg = json.loads((d / "config.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if (cfg.get("hidden_size"), cfg.get("vocab_size"), cfg.get("num_target_layers")) == want:
+            return d
+    return None

@@ -223,6 +223,8 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
     import mlx.optimizers as optim
     from mlx_lm import load as mlx_load
 
+    from ..loading import resolve_model
+
     t_begin = time.perf_counter()
     dist = Dist()
     say: Log = log if dist.main else (lambda s: None)
@@ -235,7 +237,7 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
     tdt, cdt = _dtype(opts.dtype, on_gpu), _dtype(opts.compute_dtype, on_gpu)
     mx.random.seed(opts.seed)
 
-    model, tokenizer = mlx_load(opts.target)
+    model, tokenizer = mlx_load(resolve_model(opts.target))
     model.set_dtype(tdt)
     model.eval()
 

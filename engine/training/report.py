@@ -154,11 +154,11 @@ def _eval_cli():
         from .. import draftvocab
         from ..draft import load_draft
         from ..drafters import short_block_max
-        from ..loading import draft_dtype
+        from ..loading import draft_dtype, resolve_model
         from . import data as td
 
         try:
-            model, tokenizer = load(target)
+            model, tokenizer = load(resolve_model(target))
             dt = dtype or ("bfloat16" if mx.default_device() == mx.gpu else "float32")
             model.set_dtype(getattr(mx, dt))
             d = load_draft(draft, draft_dtype(model, None))
