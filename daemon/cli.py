@@ -14,7 +14,15 @@ from typing import Any
 import click
 
 from . import paths, supervisor
-from .config import DaemonConfig, load_config
+from .config import ConfigError, DaemonConfig, load_config
+
+
+class BadConfig(click.ClickException):
+    """A bad setting: exit 2, as docs/daemon.md says and as the worker exits (a service manager
+    running `dflashd start --foreground` under the bundled unit's RestartPreventExitStatus=2 3
+    then does not restart it in a loop)."""
+
+    exit_code = 2
 
 
 def _config_options(f: Any) -> Any:
@@ -40,7 +48,7 @@ def _resolve(config_path: str | None, **flags: Any) -> DaemonConfig:
         cfg = load_config(config_path, flags)
         cfg.validate()
     except (ValueError, OSError) as e:
-        raise click.ClickException(str(e)) from e
+        raise BadConfig(str(e)) from e
     return cfg
 
 
@@ -87,7 +95,7 @@ def start(config_path, foreground, wait_s, **flags):
     """Start the supervisor, which starts the worker (and restarts it if it dies)."""
     cfg = _resolve(config_path, **flags)
     if not cfg.model:
-        raise click.ClickException("no model configured: pass --model, set DFLASH_MODEL or `model` in the config")
+        raise BadConfig("no model configured: pass --model, set DFLASH_MODEL or `model` in the config")
     if _supervisor_pid(cfg) or _stats(cfg, 0.5):
         raise click.ClickException(f"dflashd is already running at {cfg.resolved_endpoint()}")
     orphans = supervisor.stop_orphans(cfg)  # they would hold the locks the new children need
@@ -105,24 +113,51 @@ def start(config_path, foreground, wait_s, **flags):
         [sys.executable, "-m", "dflash.daemon.supervisor", "--config-json", cfg.to_json()],
         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
+    st = _wait_ready(proc, cfg, wait_s, log_dir / "dflashd.log")
+    click.echo(f"dflashd started (supervisor {proc.pid}, worker {st['pid']}) at {cfg.resolved_endpoint()}; {st['accel']}")
+    from dflash.client.cli import store_notes
+
+    for note in store_notes(st):
+        click.echo("warning: " + note, err=True)
+
+
+def _wait_ready(proc: subprocess.Popen, cfg: DaemonConfig, wait_s: float, log_file: Path) -> dict:
+    """The worker's stats once its model is loaded. A start that failed stops the daemon it
+    started first, so the next `dflashd start` does not find it "already running"."""
     end = time.monotonic() + wait_s
     while time.monotonic() < end:
         if proc.poll() is not None:
-            raise click.ClickException(f"dflashd exited with {proc.returncode}; see {log_dir / 'dflashd.log'}")
+            raise click.ClickException(f"dflashd exited with {proc.returncode}; see {log_file}")
         crashes = _worker_restarts(cfg, proc.pid)
         if crashes >= 2:
-            raise click.ClickException(f"the worker keeps crashing ({crashes} restarts); see {log_dir / 'dflashd.log'}")
+            _stop_started(proc, cfg)
+            raise click.ClickException(f"the worker keeps crashing ({crashes} restarts); see {log_file};"
+                                       " the daemon was stopped")
         st = _stats(cfg, 0.5)
+        if st and st["state"] == "failed":
+            _stop_started(proc, cfg)
+            error = _one_line(st["error"] or "")
+            kind = BadConfig if error.startswith(f"{ConfigError.__name__}:") else click.ClickException
+            raise kind(f"worker up but the model failed to load: {error}; the daemon was stopped")
         if st and st["state"] != "loading":
-            if st["state"] == "failed":
-                raise click.ClickException(f"worker up but the model failed to load: {st['error']}")
-            click.echo(f"dflashd started (supervisor {proc.pid}, worker {st['pid']}) at {cfg.resolved_endpoint()}; {st['accel']}")
-            from dflash.client.cli import store_notes
+            return st
+    raise click.ClickException(f"dflashd did not become ready in {wait_s:g}s; see {log_file}")
 
-            for note in store_notes(st):
-                click.echo("warning: " + note, err=True)
-            return
-    raise click.ClickException(f"dflashd did not become ready in {wait_s:g}s; see {log_dir / 'dflashd.log'}")
+
+def _stop_started(proc: subprocess.Popen, cfg: DaemonConfig, grace_s: float = 30.0) -> None:
+    """Stop the supervisor this command started; it stops the worker and the cache process."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)  # the supervisor gives its children 20 s, then kills them
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    supervisor.stop_orphans(cfg)  # what a supervisor killed here could not stop
+
+
+def _one_line(text: str) -> str:
+    """An error message for one output line (an exception's text may span several)."""
+    return " ".join(text.split())
 
 
 @main.command()
@@ -180,7 +215,8 @@ def status(config_path, as_json, **flags):
     elif st is None:
         click.echo(f"dflashd: not running at {info['endpoint']}" + (f" (supervisor {sup} is up)" if sup else ""))
     else:
-        click.echo(f"dflashd: {st['state']} at {info['endpoint']}")
+        error = f" : {_one_line(st['error'])}" if st.get("error") else ""  # why it failed
+        click.echo(f"dflashd: {st['state']} at {info['endpoint']}{error}")
         click.echo(f"  supervisor {f'pid {sup}' if sup else 'none'}, worker pid {st['pid']}, up {st['uptime_s']:.0f}s,"
                    f" restarts {st['restarts']}")
         from dflash.client.cli import cache_lines, store_notes

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from . import caching
 from . import protocol as P
-from .config import DaemonConfig
+from .config import ConfigError, DaemonConfig
 from .queue import Job, JobQueue
 from .store import JobStore
 
@@ -54,7 +54,9 @@ class Compute:
         try:
             from dflash.engine.loading import load_pair
 
-            self.pair = load_pair(self.cfg.model, self.cfg.draft, dtype=self.cfg.dtype)
+            pair = load_pair(self.cfg.model, self.cfg.draft, dtype=self.cfg.dtype)
+            _check_window(self.cfg, pair)  # before self.pair: a pair that fails it runs no job
+            self.pair = pair
             self.vocab_size = int(self.pair.target.vocab_size)
             log.info("loaded %s with draft %s", self.pair.model_path, self.pair.draft_path)
             self._recall_windows()
@@ -219,3 +221,16 @@ class Compute:
             "vocab_size": self.vocab_size,
             "dtype": self.cfg.dtype,
         }
+
+
+def _check_window(cfg: DaemonConfig, pair: Any) -> None:
+    """Refuse a configured verify window the loaded pair cannot take (the engine's rule,
+    engine/window.fixed_window), so the daemon fails to start instead of blaming each request."""
+    from dflash.engine.rollback import plain_step_undoable
+    from dflash.engine.window import fixed_window
+
+    try:
+        fixed_window(cfg.window(), pair.drafter.block_size, plain_step_undoable(pair.target.make_cache()))
+    except ValueError as e:
+        raise ConfigError(f"verify_window = {cfg.verify_window} in the daemon's configuration does not "
+                          f"suit this pair: {e}") from None

@@ -27,6 +27,12 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+class ConfigError(ValueError):
+    """A setting the loaded pair cannot take (found only once it is loaded, e.g. a verify window
+    wider than the draft's block): the worker reports it as its load error, and `dflashd start`
+    stops the daemon and exits 2 as for any other bad setting."""
+
+
 @dataclass
 class DaemonConfig:
     # model pair

@@ -8,6 +8,7 @@ never produce an invalid plist. The resolved configuration is written once to
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import plistlib
@@ -22,6 +23,7 @@ from .config import DaemonConfig
 
 LABELS = {"worker": "com.dflash.worker", "cache": "com.dflash.cache"}
 UNIT = "dflashd.service"
+CERT_FILES = ("curve_server_secret", "curve_server_public", "curve_client_secret")
 
 
 def template(name: str) -> str:
@@ -41,12 +43,30 @@ def _fill(value: Any, subs: dict[str, str]) -> Any:
 
 
 def _pinned(cfg: DaemonConfig) -> DaemonConfig:
-    """The config with every derived path made explicit, as the agents will run it."""
-    import dataclasses
+    """The config with every path made explicit and absolute, as the agents will run it: they
+    start in / (or $HOME), not in the folder `dflashd install` ran in."""
+    certs = {k: _absolute(getattr(cfg, k)) for k in CERT_FILES if getattr(cfg, k)}
+    cfg = dataclasses.replace(cfg, model=_local(cfg.model), draft=_local(cfg.draft), **certs,
+                              runtime_dir=_absolute(cfg.runtime_path()), state_dir=_absolute(cfg.state_path()))
+    return dataclasses.replace(cfg, cache_dir=_absolute(cfg.cache_path()),
+                               endpoint=_absolute_ipc(cfg.resolved_endpoint()),
+                               cache_endpoint=_absolute_ipc(cfg.resolved_cache_endpoint()))
 
-    return dataclasses.replace(cfg, runtime_dir=str(cfg.runtime_path()), state_dir=str(cfg.state_path()),
-                               endpoint=cfg.resolved_endpoint(), cache_endpoint=cfg.resolved_cache_endpoint(),
-                               cache_dir=str(cfg.cache_path()))
+
+def _absolute(path: str | Path) -> str:
+    """Absolute, without resolving symlinks (a `current` link to a model keeps following it)."""
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _local(model: str | None) -> str | None:
+    """A model or draft naming a local path, made absolute; anything else (None, a repo id in
+    the Hugging Face cache) as it is."""
+    return _absolute(model) if model and Path(model).expanduser().exists() else model
+
+
+def _absolute_ipc(endpoint: str) -> str:
+    sock = paths.ipc_path(endpoint)
+    return endpoint if sock is None else f"ipc://{_absolute(sock)}"
 
 
 def render_plist(agent: str, cfg: DaemonConfig, config_file: Path) -> bytes:
@@ -82,8 +102,7 @@ def install_agents(cfg: DaemonConfig, dest: Path | None = None, *, load: bool = 
     paths.private_dir(cfg.state_path())
     paths.private_dir(cfg.log_path())
     config_file = cfg.state_path() / "daemon.json"
-    config_file.write_text(cfg.to_json())
-    os.chmod(config_file, 0o600)
+    _write_private(config_file, cfg.to_json().encode())
     kind = ("launchd" if sys.platform == "darwin" else "systemd") if kind == "auto" else kind
     lines = [f"config: {config_file}"]
     if kind == "launchd":
@@ -91,7 +110,7 @@ def install_agents(cfg: DaemonConfig, dest: Path | None = None, *, load: bool = 
         dest.mkdir(parents=True, exist_ok=True)
         for agent in _agents(cfg):
             path = dest / f"{LABELS[agent]}.plist"
-            path.write_bytes(render_plist(agent, cfg, config_file))
+            _write_private(path, render_plist(agent, cfg, config_file))
             lines.append(f"wrote {path}")
             if load:
                 lines.append(_run(["launchctl", "bootout", f"gui/{os.getuid()}", str(path)]))
@@ -100,12 +119,21 @@ def install_agents(cfg: DaemonConfig, dest: Path | None = None, *, load: bool = 
         dest = dest or Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "systemd" / "user"
         dest.mkdir(parents=True, exist_ok=True)
         path = dest / UNIT
-        path.write_text(render_unit(cfg, config_file))
+        _write_private(path, render_unit(cfg, config_file).encode())
         lines.append(f"wrote {path}")
         if load:
             lines.append(_run(["systemctl", "--user", "daemon-reload"]))
             lines.append(_run(["systemctl", "--user", "enable", "--now", UNIT]))
     return lines
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Write `path` mode 0600 (the README: every file the daemon writes is private; launchd and
+    systemd read user agents as their owner), tightening a file an older version made 0644."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        os.fchmod(fh.fileno(), 0o600)
+        fh.write(data)
 
 
 def uninstall_agents(dest: Path | None = None, *, unload: bool = True, kind: str = "auto") -> list[str]:

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from daemon_fixtures import PROMPTS, make_daemon, tiny_pair  # noqa: F401
+from daemon_fixtures import PROMPTS, make_daemon, tiny_pair, wait_until  # noqa: F401
 
 from dflash.client import DFlashClient
 from dflash.daemon.cli import main as dflashd
+from dflash.daemon.supervisor import lock_held
 
 
 @pytest.fixture
@@ -102,29 +103,152 @@ def test_install_renders_valid_plists_that_start_a_worker(tiny_pair, dirs, tmp_p
     assert "removed" in res.output and not (tmp_path / "com.dflash.worker.plist").exists()
 
 
-def test_model_that_fails_to_load_is_reported(dirs, tmp_path):
-    flags, _ = dirs
-    out = _dflashd("start", "--model", str(tmp_path / "missing"), "--draft", str(tmp_path / "missing"), *flags, timeout=60)
+def test_install_pins_relative_paths_and_writes_private_files(tiny_pair, dirs):  # noqa: F811
+    """Paths given relative to where `dflashd install` ran still work for a service started in /,
+    and everything install writes is 0600."""
+    _, d = dirs
+    (d / "models").mkdir()
+    (d / "models" / "tiny").symlink_to(tiny_pair[0])  # a link is kept, not resolved
+    out = subprocess.run([sys.executable, "-m", "dflash.daemon.cli", "install", "--kind", "systemd", "--dest", "units",
+                          "--no-load", "--model", "models/tiny", "--draft", "models/tiny/draft", "--blas", "none",
+                          "--runtime-dir", "run", "--state-dir", "state"], cwd=d, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    config = d / "state" / "daemon.json"
+    cfg = json.loads(config.read_text())
+    assert cfg["model"] == str(d / "models" / "tiny") and cfg["draft"] == str(d / "models" / "tiny" / "draft")
+    assert cfg["runtime_dir"] == str(d / "run") and cfg["endpoint"] == f"ipc://{d / 'run' / 'worker.sock'}"
+    assert cfg["state_dir"] == str(d / "state") and cfg["cache_dir"] == str(d / "state" / "cache")
+    unit = d / "units" / "dflashd.service"
+    for path in (unit, config):
+        assert path.stat().st_mode & 0o777 == 0o600, path
+    start = next(line for line in unit.read_text().splitlines() if line.startswith("ExecStart="))
+    proc = subprocess.Popen(start[len("ExecStart="):].split(), cwd="/", stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)  # as systemd would run it
     try:
-        assert out.returncode != 0 and "failed to load" in out.stderr
+        with DFlashClient(cfg["endpoint"], timeout=60) as c:
+            wait_until(lambda: c.stats()["state"] != "loading", 60, "the installed daemon to load its model")
+            assert c.stats()["state"] == "ready"
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    res = CliRunner().invoke(dflashd, ["install", "--kind", "launchd", "--dest", str(d / "units"), "--no-load",
+                                       "--model", tiny_pair[0], "--runtime-dir", str(d / "run"), "--state-dir", str(d / "state")])
+    assert res.exit_code == 0, res.output
+    for plist in (d / "units").glob("*.plist"):
+        assert plist.stat().st_mode & 0o777 == 0o600, plist
+
+
+def _nothing_running(d: Path) -> None:
+    """No supervisor, worker or cache process of the daemon in `d` is left (each holds its lock
+    for its whole life)."""
+    for lock in ("run/supervisor.lock", "run/worker.lock", "state/cache/l2.lock"):
+        assert not lock_held(d / lock), f"{lock} is still held"
+
+
+def _error_line(out: subprocess.CompletedProcess) -> str:
+    """The one line a failed command prints (no traceback)."""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), out.stderr
+    return lines[0]
+
+
+def test_model_that_fails_to_load_is_reported_and_stopped(tiny_pair, dirs, tmp_path):  # noqa: F811
+    """The failed start stops all it started: the next start with a good model just works."""
+    flags, d = dirs
+    try:
+        out = _dflashd("start", "--model", str(tmp_path / "missing"), "--draft", str(tmp_path / "missing"), *flags, timeout=60)
+        assert out.returncode == 1
+        line = _error_line(out)
+        assert "failed to load: ModelNotFoundError" in line and line.endswith("; the daemon was stopped")
+        _nothing_running(d)
+        status = _dflashd("status", *flags)
+        assert status.returncode == 3 and "not running" in status.stdout
+        again = _dflashd("start", "--model", tiny_pair[0], "--draft", tiny_pair[1], "--blas", "none", *flags)
+        assert again.returncode == 0 and "dflashd started" in again.stdout, again.stderr
     finally:
         _dflashd("stop", *flags)
 
 
-def test_tcp_with_curve_keys(make_daemon, tmp_path):  # noqa: F811
-    import socket
+def test_worker_that_keeps_crashing_is_stopped(tiny_pair, dirs):  # noqa: F811
+    """A worker that cannot bind its socket dies at each start: `dflashd start` gives up and
+    stops the supervisor rather than leave it restarting the worker forever."""
+    flags, d = dirs
+    model, draft = tiny_pair
+    out = _dflashd("start", "--model", model, "--draft", draft, "--blas", "none", "--endpoint",
+                   f"ipc://{d / 'no-such-dir' / 'w.sock'}", *flags)
+    try:
+        assert out.returncode == 1
+        line = _error_line(out)
+        assert "the worker keeps crashing" in line and line.endswith("; the daemon was stopped")
+        _nothing_running(d)
+    finally:
+        _dflashd("stop", *flags)
 
-    import zmq.auth
 
-    from dflash.client import WorkerUnavailableError
+def test_serve_stops_the_daemon_whose_model_failed_to_load(dirs, tmp_path):
+    """`dflash serve` (no --attach) starts the daemon through `dflashd start`: the same clean-up."""
+    flags, d = dirs
+    cmd = [sys.executable, "-m", "dflash.engine.cli", "serve", "--port", "0", "--model", str(tmp_path / "missing"),
+           "--draft", str(tmp_path / "missing"), *flags]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1 and _error_line(out).endswith("; the daemon was stopped")
+        _nothing_running(d)
+    finally:
+        _dflashd("stop", *flags)
 
-    server_pub, server_sec = zmq.auth.create_certificates(str(tmp_path), "server")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    d = make_daemon(endpoint=f"tcp://127.0.0.1:{port}", curve_server_secret=server_sec, curve_server_public=server_pub)
-    with d.client(timeout=20) as c:  # the daemon's config names the public cert: CURVE on
-        assert len(c.generate(PROMPTS[0], max_tokens=4).token_ids) == 4
-    with DFlashClient(d.endpoint, timeout=1.5) as plain:
-        with pytest.raises(WorkerUnavailableError):  # no keys: the handshake never completes
-            plain.stats()
+
+def test_status_text_says_why_the_model_failed(dirs, tmp_path):
+    """A daemon left in the failed state (a supervisor run in the foreground, as systemd does)."""
+    flags, d = dirs
+    missing = str(tmp_path / "missing")
+    proc = subprocess.Popen([sys.executable, "-m", "dflash.daemon.cli", "start", "--foreground", "--model", missing,
+                             "--draft", missing, *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def failed() -> bool:
+            out = _dflashd("status", "--json", *flags)
+            return out.returncode == 0 and json.loads(out.stdout)["worker"]["state"] == "failed"
+
+        wait_until(failed, 60, "the worker to report its failed load", poll_s=0.5)
+        error = json.loads(_dflashd("status", "--json", *flags).stdout)["worker"]["error"]
+        first = _dflashd("status", *flags).stdout.splitlines()[0]
+        assert first == f"dflashd: failed at ipc://{d / 'run' / 'worker.sock'} : {error}"
+        assert error.startswith("ModelNotFoundError: ")
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def _toml(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def test_verify_window_the_draft_cannot_take_fails_the_start(tiny_pair, dirs, tmp_path):  # noqa: F811
+    """Checked against the loaded draft's block (16 tokens): a configuration error, not a
+    bad_request on every later prompt."""
+    flags, d = dirs
+    bad = _toml(tmp_path / "bad.toml", f'model = "{tiny_pair[0]}"\ndraft = "{tiny_pair[1]}"\nblas = "none"\n'
+                                        "verify_window = 99\n")
+    try:
+        out = _dflashd("start", "--config", bad, *flags)
+        assert out.returncode == 2
+        line = _error_line(out)
+        assert "ConfigError: verify_window = 99 in the daemon's configuration" in line
+        assert "verify window 99 is larger than this draft's block of 16 tokens" in line
+        assert line.endswith("; the daemon was stopped")
+        _nothing_running(d)
+    finally:
+        _dflashd("stop", *flags)
+
+
+@pytest.mark.parametrize("toml, name", [("[generation]\ntop_p = 5", "top_p"), ("[generation]\ntemperature = -1", "temperature"),
+                                        ("verify_window = 0", "verify_window"), ("max_queue = 0", "max_queue")])
+def test_bad_setting_in_the_config_file_exits_2(dirs, tmp_path, toml, name):
+    """docs/daemon.md: a bad value is a configuration error, exit 2 (as the worker's own)."""
+    flags, d = dirs
+    bad = _toml(tmp_path / "bad.toml", f'model = "{tmp_path}"\n{toml}\n')
+    for command in ("start", "status"):
+        out = _dflashd(command, "--config", bad, *flags)
+        assert out.returncode == 2 and name in _error_line(out)
+    assert not (d / "run").exists()  # refused before anything started
