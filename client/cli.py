@@ -1,20 +1,25 @@
 """`dflash-client`: prompt the daemon from a shell; fetch a job's result by id; status and jobs.
 
-Exit codes: 0 done, 1 the job failed, 2 usage or bad request (including a prompt, from stdin or
-an argument, that is not UTF-8: refused with one line, never guessed at), 3 no worker / worker died,
-4 busy (queue full), 5 no such job (or its result expired) or position list, 124 the job hit its
-time limit, 130 Ctrl-C (cancels a `prompt`; `result` only stops waiting).
+Every error is one line on stderr. Exit codes: 0 done, 1 the job failed, 2 usage or bad request
+(including a prompt, from stdin or an argument, that is not UTF-8: refused, never guessed at), 3 no
+worker / worker died (a kept job's error prints the `result` command, with this run's --endpoint,
+--config and --timeout), 4 busy (queue full), 5 no such job (or its result expired) or position
+list, 124 the job hit its time limit, 130 Ctrl-C (cancels a `prompt`; `result` only stops waiting).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import shlex
 import sys
-from typing import NoReturn
+from typing import Any, Iterator, NoReturn
 
 import click
+from click.core import ParameterSource
 
+from dflash.daemon import codec
 from dflash.daemon import protocol as P
 
 from . import errors as E
@@ -23,9 +28,31 @@ from .client import DFlashClient, Result
 EXIT = {E.BusyError: 4, E.BadRequestError: 2, E.WorkerUnavailableError: 3, E.WorkerGoneError: 3, E.NotFoundError: 5}
 
 
-def _fail(e: E.DFlashError) -> None:
-    click.echo(f"dflash-client: {e}", err=True)
+def _fail(e: E.DFlashError) -> NoReturn:
+    click.echo(f"dflash-client: {e.describe(_this_cli())}", err=True)
     sys.exit(EXIT.get(type(e), 1))
+
+
+def cli_command(endpoint: str | None = None, config_path: str | None = None, timeout: float | None = None) -> str:
+    """`dflash-client` with these options (None: left out), quoted for a POSIX shell."""
+    args = ["dflash-client"]
+    for flag, value in (("--endpoint", endpoint), ("--config", config_path),
+                        ("--timeout", None if timeout is None else f"{timeout:g}")):
+        if value is not None:
+            args += [flag, value]
+    return shlex.join(args)
+
+
+def _this_cli() -> str:
+    """This run's `dflash-client` with the options that reached its daemon, for a command that an
+    error tells the user to run next: the bare command would go to the default endpoint."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return cli_command()
+    root = ctx.find_root()
+    timeout = root.params.get("timeout")
+    given = timeout is not None and root.get_parameter_source("timeout") is not ParameterSource.DEFAULT
+    return cli_command(root.params.get("endpoint"), root.params.get("config_path"), timeout if given else None)
 
 
 def _usage_error(message: str) -> NoReturn:
@@ -57,6 +84,31 @@ def _require_utf8(value: str | None, what: str) -> None:
                      "e.g. with iconv -t UTF-8")
 
 
+@contextlib.contextmanager
+def _one_line_usage() -> Iterator[None]:
+    """A usage error as one line and exit 2, like this CLI's other errors (click would print its
+    usage block too); a bare group still prints its help."""
+    try:
+        yield
+    except click.exceptions.NoArgsIsHelpError:
+        raise
+    except click.UsageError as e:
+        hint = f"; see {e.ctx.command_path} --help" if e.ctx is not None else ""
+        _usage_error(e.format_message().rstrip(".") + hint)
+
+
+class _Cli(click.Group):
+    """The root group: option parsing and every subcommand run under _one_line_usage."""
+
+    def make_context(self, *args, **kw) -> click.Context:
+        with _one_line_usage():
+            return super().make_context(*args, **kw)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with _one_line_usage():
+            return super().invoke(ctx)
+
+
 def _finite(ctx, param, value):
     if value is not None and not math.isfinite(value):
         raise click.BadParameter(f"{value} is not a finite number")
@@ -80,10 +132,12 @@ def sampling_options(f):
     return f
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--endpoint", default=None, help="Worker endpoint (default: from config / DFLASH_ENDPOINT).")
+@click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--endpoint", envvar="DFLASH_ENDPOINT", default=None,
+              help="Worker endpoint (default: DFLASH_ENDPOINT, else from the config).")
 @click.option("--config", "config_path", default=None, help="dflashd TOML config to read the endpoint from.")
-@click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for the worker to answer.")
+@click.option("--timeout", default=30.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              callback=_finite, help="Seconds to wait for the worker to answer (> 0).")
 @click.pass_context
 def main(ctx, endpoint, config_path, timeout):
     """Talk to a running dflashd."""
@@ -101,6 +155,43 @@ def _window(ctx, param, value):
     return window
 
 
+MAX_POSITIONS = codec.DEFAULT_MAX_FRAME  # more than fit in one request frame: never sendable
+
+
+def parse_positions(text: str) -> list[int]:
+    """'0-63,100,128-255' -> [0..63, 100, 128..255] (ranges inclusive); a ValueError names the
+    part that is wrong, so a reversed range is not sent as an empty list."""
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        start, end = _position_range(part)
+        if len(out) + end - start + 1 > MAX_POSITIONS:  # checked before building a huge list
+            raise ValueError(f"more than {MAX_POSITIONS} positions: a list that long cannot be sent")
+        out.extend(range(start, end + 1))
+    return out
+
+
+def _position_range(part: str) -> tuple[int, int]:
+    """'5' -> (5, 5), '0-63' -> (0, 63)."""
+    lo, dash, hi = part.partition("-")
+    try:
+        start, end = int(lo), int(hi if dash else lo)
+    except ValueError:
+        raise ValueError(f"{part!r} is not a position (an index >= 0) or a range such as 0-63") from None
+    if end < start:
+        raise ValueError(f"bad range {part}: the end is before the start")
+    return start, end
+
+
+def _positions(ctx, param, value: str | None) -> list[int] | None:
+    """--positions / SPEC as a list; a usage error naming the bad part."""
+    if value is None:
+        return None
+    try:
+        return parse_positions(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 @main.command()
 @click.argument("text", required=False)
 @click.option("--max-tokens", "-m", default=256, show_default=True, type=int)
@@ -111,7 +202,7 @@ def _window(ctx, param, value):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats).")
 @click.option("--cache", type=click.Choice(["use", "bypass", "refresh"]), default=None,
               help="Prefix cache policy (default: use; sparse prefill bypasses it).")
-@click.option("--positions", "positions_text", default=None,
+@click.option("--positions", default=None, callback=_positions,
               help="Sparse prefill: prompt token indices, e.g. '0-63,128-255,300'.")
 @click.option("--positions-name", default=None, help="Sparse prefill with a stored position list.")
 @click.option("--stats", "show_stats", is_flag=True, help="Print the job's stats line on stderr.")
@@ -123,7 +214,7 @@ def _window(ctx, param, value):
                    "the measured speedup and whether the tokens are the same, on stderr (--json: under 'plain').")
 @sampling_options
 @click.pass_obj
-def prompt(client: DFlashClient, text, max_tokens, system, stop, priority, raw, as_json, cache, positions_text,
+def prompt(client: DFlashClient, text, max_tokens, system, stop, priority, raw, as_json, cache, positions,
            positions_name, show_stats, verify_window, compare_plain, temperature, top_p, top_k, seed):
     """Generate from TEXT (stdin when omitted), streaming to stdout. Ctrl-C cancels the job.
 
@@ -131,9 +222,8 @@ def prompt(client: DFlashClient, text, max_tokens, system, stop, priority, raw, 
     text = _stdin_text() if text is None else text
     for what, value in (("TEXT", text), ("--system", system), *(("--stop", s) for s in stop)):
         _require_utf8(value, what)
-    positions = _parse_positions(positions_text) if positions_text else None
     job = dict(max_tokens=max_tokens, system=system, stop=stop, priority=priority, raw=raw,
-               positions=positions, positions_name=positions_name,
+               positions=positions or None, positions_name=positions_name,  # --positions "": none, as before
                temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     try:  # a value the client refuses (e.g. a --positions-name that is not UTF-8) is one line, exit 2
         stream = client.stream(text, cache=cache, verify_window=verify_window, **job)
@@ -278,18 +368,6 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
-def _parse_positions(text: str) -> list[int]:
-    """'0-63,100,128-255' -> [0..63, 100, 128..255] (ranges inclusive)."""
-    out: list[int] = []
-    try:
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            lo, _, hi = part.partition("-")
-            out.extend(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise click.BadParameter(f"not a position list: {text!r}") from None
-    return out
-
-
 @main.group()
 def positions():
     """Named sparse-prefill position lists (kept by the cache process, shared by every app)."""
@@ -297,11 +375,11 @@ def positions():
 
 @positions.command("put")
 @click.argument("name")
-@click.argument("spec")
+@click.argument("spec", callback=_positions)
 @click.pass_obj
 def positions_put(client: DFlashClient, name, spec):
     """Store SPEC (e.g. '0-63,128-255') under NAME."""
-    _print(lambda: client.put_positions(name, _parse_positions(spec)))
+    _print(lambda: client.put_positions(name, spec))
 
 
 @positions.command("get")

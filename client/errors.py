@@ -9,15 +9,19 @@ class DFlashError(Exception):
     """Any failure answered by, or about, the daemon. `code` is the wire error code."""
 
     def __init__(self, code: str, message: str, job_id: str = ""):
-        super().__init__(f"[{code}] {message}{self._about(message, job_id)}")
         self.code = code
         self.message = message
         self.job_id = job_id
+        super().__init__(self.describe())
 
-    @staticmethod
-    def _about(message: str, job_id: str) -> str:
+    def describe(self, cli: str = "dflash-client") -> str:
+        """The one-line text; `cli` is the shell command a hint tells the user to run, with the
+        connection options (endpoint, config) that reach this daemon."""
+        return f"[{self.code}] {self.message}{self._about(cli)}"
+
+    def _about(self, cli: str) -> str:
         """What the text adds to the message: the job's id, unless the message names it."""
-        return f" (job {job_id})" if job_id and job_id not in message else ""
+        return f" (job {self.job_id})" if self.job_id and self.job_id not in self.message else ""
 
 
 class BusyError(DFlashError):
@@ -45,10 +49,11 @@ class WorkerGoneError(DFlashError):
     persisted: after the worker restarts it runs again once asked for, and
     `client.job(e.job_id).result()` (in a shell: `dflash-client result ID`) fetches its result."""
 
-    @staticmethod
-    def _about(message: str, job_id: str) -> str:
+    def _about(self, cli: str) -> str:
         """The job id and the command that fetches its re-run, for a shell user who saw this."""
-        return f"; job {job_id} is kept: `dflash-client result {job_id}` runs it again and prints it" if job_id else ""
+        if not self.job_id:
+            return ""
+        return f"; job {self.job_id} is kept: `{cli} result {self.job_id}` runs it again and prints it"
 
 
 class ProtocolVersionError(BadRequestError):

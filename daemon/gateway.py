@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import json
 import logging
@@ -302,19 +303,57 @@ class Gateway:
 # ----------------------------------------------------------------------------- running it
 
 
+# Why a bind failed, in the user's terms (asyncio's own text repeats the address as a tuple).
+_BIND_REASONS = {
+    errno.EADDRINUSE: "address already in use (another server? pick --port, or --port 0 for a free one)",
+    errno.EACCES: "permission denied (ports below 1024 need privileges: pick another --port)",
+    errno.EADDRNOTAVAIL: "that address is not one of this machine's (check --host)",
+}
+
+
+def listen_error(host: str, port: int, e: OSError) -> click.ClickException:
+    """The one-line error for a host:port the gateway cannot listen on."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    why = _BIND_REASONS.get(e.errno or 0)
+    if why is None:  # errno < 0: a host name that does not resolve (socket.gaierror)
+        text = os.strerror(e.errno) if e.errno and e.errno > 0 else str(e.strerror or e)
+        why = text[:1].lower() + text[1:]
+    return click.ClickException(f"cannot listen on {where}: {why}")
+
+
+async def _probe(host: str, port: int) -> None:
+    server = await asyncio.get_running_loop().create_server(asyncio.Protocol, host, port)
+    server.close()
+    await server.wait_closed()
+
+
+def check_port(host: str, port: int) -> None:
+    """Bind host:port and let go at once, so a port that is taken is refused before a daemon is
+    started for nothing (the real bind still reports a port taken in between)."""
+    if port == 0:
+        return
+    try:
+        asyncio.run(_probe(host, port))
+    except OSError as e:
+        raise listen_error(host, port, e) from None
+
+
 async def run_gateway(gw: Gateway, host: str, port: int, on_ready: Callable[[str], None]) -> None:
-    """Serve until SIGINT/SIGTERM. A client that disconnects cancels its handler (and so its job)."""
+    """Serve until SIGINT/SIGTERM. A client that disconnects cancels its handler (and so its job).
+    A host:port it cannot listen on is a ClickException (one line), after cleaning up."""
     runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # before announcing: a prompt SIGTERM is handled too
-        loop.add_signal_handler(sig, stop.set)
-    addr = runner.addresses[0]
-    on_ready(f"http://{addr[0] if ':' not in addr[0] else f'[{addr[0]}]'}:{addr[1]}")
     try:
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as e:
+            raise listen_error(host, port, e) from None
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # before announcing: a prompt SIGTERM is handled too
+            loop.add_signal_handler(sig, stop.set)
+        addr = runner.addresses[0]
+        on_ready(f"http://{addr[0] if ':' not in addr[0] else f'[{addr[0]}]'}:{addr[1]}")
         await stop.wait()
     finally:
         await runner.cleanup()
@@ -346,7 +385,8 @@ def _daemon_options(f: Any) -> Any:
               help="For requests without top_k (default: the daemon's, normally 0 = off).")
 @click.option("--attach", is_flag=True, help="Only attach to a running daemon; never start one.")
 @click.option("--stop-daemon", is_flag=True, help="Stop the daemon on exit if this command started it.")
-@click.option("--wait", "wait_s", default=120.0, show_default=True, help="Seconds to wait for a started daemon's model.")
+@click.option("--wait", "wait_s", default=120.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Seconds to wait for a started daemon's model.")
 @click.pass_context
 def serve_command(ctx, config_path, host, port, api_key, served_model_name, max_body_bytes, default_max_tokens,
                   sampling, default_temperature, default_top_p, default_top_k, attach, stop_daemon, wait_s, **flags):
@@ -361,6 +401,7 @@ def serve_command(ctx, config_path, host, port, api_key, served_model_name, max_
     if problem is not None:
         raise click.BadParameter(problem[1], param_hint=f"--default-{problem[0].replace('_', '-')}")
     cfg = dcli._resolve(config_path, **flags)
+    check_port(host, port)  # before a daemon is started for a gateway that could not listen
     started = False
     if dcli._stats(cfg, 1.0) is None:
         if attach:

@@ -4,14 +4,17 @@ and a job that keeps killing the worker is failed after max_attempts."""
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
-from daemon_fixtures import PROMPTS, make_daemon, reference, tiny_pair, wait_until  # noqa: F401
+from daemon_fixtures import PROMPTS, ROOT, make_daemon, reference, tiny_pair, wait_until  # noqa: F401
 
 from dflash.client import JobFailedError, WorkerGoneError
-
 
 
 def test_kill9_mid_stream_then_queued_jobs_complete(make_daemon, tiny_pair):  # noqa: F811
@@ -56,3 +59,24 @@ def test_job_that_keeps_crashing_is_failed(make_daemon):  # noqa: F811
     assert len(ok.token_ids) == 6
     assert c.stats()["failed_on_recovery"] == 1
     c.close()
+
+
+def test_a_shell_user_is_told_a_command_that_reaches_this_daemon(make_daemon, tiny_pair):  # noqa: F811
+    """The recovery command in a shell's worker_gone error carries the options that reached this
+    daemon (here a non-default endpoint and a timeout): run as printed, it prints the re-run."""
+    d = make_daemon(max_attempts=3)
+    pid = d.worker_pid()
+    options = ["--endpoint", d.endpoint, "--timeout", "60"]
+    cli = [sys.executable, "-m", "dflash.client.cli"]  # `dflash-client` without the installed script
+    proc = subprocess.Popen([*cli, *options, "prompt", "--max-tokens", "200", PROMPTS[0]], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stdout.read(1)  # its first delta: the job is running
+    os.kill(pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=30)
+    told = re.search(r"`(dflash-client [^`]*)` runs it again", err)
+    assert proc.returncode == 3 and err.count("\n") == 1 and told, err
+    *prefix, verb, job_id = shlex.split(told.group(1))
+    assert prefix == ["dflash-client", *options] and verb == "result", told.group(1)
+    out = subprocess.run([*cli, *prefix[1:], verb, job_id], capture_output=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == (reference(tiny_pair, PROMPTS[0], 200)[0] + "\n").encode()  # bytes: the text has \r

@@ -344,7 +344,7 @@ def test_jobs_whose_client_left_are_held_not_rerun(make_daemon, tiny_pair):  # n
     seen = {}  # prompt index -> the job id its shell user was told
     for i, proc in zip((1, 2), shells):
         _, err = proc.communicate(timeout=30)
-        told = re.search(r"`dflash-client result (\S+)` runs it again", err)  # how to fetch it
+        told = re.search(r"`dflash-client --endpoint \S+ result (\S+)` runs it again", err)  # how to fetch it
         assert proc.returncode == 3 and told, err
         seen[i] = told.group(1)
     assert sorted(seen.values()) == sorted(shell_jobs)

@@ -503,3 +503,63 @@ def test_serve_starts_and_stops_its_own_daemon(tiny_pair, tmp_path):  # noqa: F8
             proc.kill()
         subprocess.run([sys.executable, "-m", "dflash.daemon.cli", "stop", "--runtime-dir", str(run),
                         "--state-dir", str(state), "--timeout", "10"], capture_output=True, cwd=ROOT)
+
+
+def _taken_port() -> socket.socket:
+    """A listening socket on 127.0.0.1 (another server, as far as `serve` can tell)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+def _in_use(port: int) -> str:
+    return (f"Error: cannot listen on 127.0.0.1:{port}: address already in use (another server? pick --port, "
+            "or --port 0 for a free one)\n")
+
+
+def test_serve_on_a_port_in_use_is_one_line(daemon, tiny_pair):  # noqa: F811
+    """--attach, or starting a daemon: one line, exit 1, and no daemon started for nothing."""
+    import tempfile
+
+    from dflash.client import DFlashClient, WorkerUnavailableError
+    from dflash.daemon.config import DaemonConfig
+
+    serve = [sys.executable, "-m", "dflash.engine.cli", "serve"]
+    base = Path(tempfile.mkdtemp(prefix="dfp", dir="/tmp"))  # short: ipc paths are capped
+    dirs = ["--runtime-dir", str(base / "run"), "--state-dir", str(base / "state")]
+    try:
+        with _taken_port() as taken:
+            port = taken.getsockname()[1]
+            out = subprocess.run([*serve, "--attach", "--port", str(port), "--endpoint", daemon.endpoint,
+                                  "--runtime-dir", daemon.cfg.runtime_dir, "--state-dir", daemon.cfg.state_dir],
+                                 capture_output=True, text=True, timeout=60, cwd=ROOT)
+            assert out.returncode == 1 and out.stderr == _in_use(port) and not out.stdout, out.stderr
+            out = subprocess.run([*serve, "--port", str(port), "--model", tiny_pair[0], "--draft", tiny_pair[1],
+                                  *dirs, "--blas", "none"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+            assert out.returncode == 1 and out.stderr == _in_use(port) and not out.stdout, out.stderr
+        with DFlashClient(config=DaemonConfig(runtime_dir=str(base / "run")), timeout=0.5) as c, \
+                pytest.raises(WorkerUnavailableError):
+            c.stats()  # the port was checked first: no daemon was started
+    finally:
+        subprocess.run([sys.executable, "-m", "dflash.daemon.cli", "stop", *dirs, "--timeout", "10"],
+                       capture_output=True, cwd=ROOT)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_port_taken_after_the_check_is_one_line_too():
+    """The gateway's own bind (a port taken between the check and it) fails the same way."""
+    import asyncio
+
+    import click
+
+    from dflash.daemon.config import DaemonConfig
+    from dflash.daemon.gateway import Gateway as App
+    from dflash.daemon.gateway import run_gateway
+
+    with _taken_port() as taken:
+        port = taken.getsockname()[1]
+        app = App("ipc:///tmp/dflash-gw-nowhere.sock", DaemonConfig())
+        with pytest.raises(click.ClickException) as e:
+            asyncio.run(run_gateway(app, "127.0.0.1", port, lambda url: pytest.fail(f"listening on {url}")))
+    assert f"Error: {e.value.format_message()}\n" == _in_use(port)
