@@ -15,7 +15,7 @@ from dflash.daemon import protocol as P
 from dflash.daemon.config import DaemonConfig
 
 from . import errors as E
-from .client import Delta, Result, client_config, int_list, make_submit, reply_error, setup_curve
+from .client import Delta, Result, answers, client_config, int_list, make_submit, reply_error, setup_curve
 
 
 class AsyncDFlashClient:
@@ -55,7 +55,7 @@ class AsyncDFlashClient:
             retry_at = min(end, time.monotonic() + self.retry_interval)
             while (left := retry_at - time.monotonic()) > 0:
                 reply = await self._recv(sock, left)
-                if reply is not None and reply.rid == msg.rid and not isinstance(reply, P.Heartbeat):
+                if answers(reply, msg.rid):
                     if isinstance(reply, P.Error):
                         raise E.from_reply(reply)
                     return reply

@@ -125,7 +125,7 @@ def sampling_options(f):
         click.option("--top-k", type=click.IntRange(min=0), default=None,
                      help="Keep the k most likely tokens; 0 = off."),
         click.option("--seed", type=click.IntRange(0, (1 << 64) - 1), default=None,
-                     help="Random seed; default: a random one (in the stats). The same seed repeats the same ids when the daemon's verify_window is fixed."),
+                     help="Random seed; default: a random one (printed with --stats, and in --json). The same seed repeats the same ids when the daemon's verify_window is fixed."),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -277,9 +277,14 @@ def _plain_run(client: DFlashClient, text: str, job: dict, res: Result) -> dict:
 
 
 def _stats_line(res: Result) -> None:
-    from dflash.engine.generate import format_stats
+    """The stats line, then for a sampled job the sampling it ran with (its seed, drawn by the
+    worker when none was sent: what repeats the job)."""
+    from dflash.engine.generate import format_stats, sampling_line
 
     click.echo(format_stats({**res.stats, "finish_reason": res.finish_reason}), err=True)
+    line = sampling_line(res.stats.get("sampling") or {})
+    if line:
+        click.echo(line, err=True)
 
 
 @main.command()

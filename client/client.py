@@ -182,6 +182,16 @@ def setup_curve(sock: zmq.Socket, cfg: DaemonConfig) -> None:
     sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_public, public, secret
 
 
+def answers(reply: P.Reply | None, rid: int) -> bool:
+    """Whether `reply` answers request `rid`, sent on a socket of its own: a reply with its rid,
+    or an error the worker could tie to no rid (a frame too large or too broken to read one
+    from), which on that socket can only be this request's. Without the second case a prompt
+    over the worker's frame cap was re-sent until the timeout and reported as no worker."""
+    if reply is None or isinstance(reply, P.Heartbeat):
+        return False
+    return reply.rid == rid or (isinstance(reply, P.Error) and reply.rid == 0)
+
+
 class DFlashClient:
     """Sync client. `timeout`: how long to wait for the worker to answer a request (it may be
     starting or restarting); `heartbeat_timeout`: silence that means the worker died mid-job."""
@@ -234,7 +244,7 @@ class DFlashClient:
             retry_at = min(end, time.monotonic() + self.retry_interval)
             while (left := retry_at - time.monotonic()) > 0:
                 reply = self._recv(sock, left)
-                if reply is not None and reply.rid == msg.rid and not isinstance(reply, P.Heartbeat):
+                if answers(reply, msg.rid):
                     if isinstance(reply, P.Error):
                         raise E.from_reply(reply)
                     return reply

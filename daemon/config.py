@@ -132,8 +132,18 @@ class DaemonConfig:
                 raise ValueError(f"cache_endpoint {cep} must be ipc:// or a loopback tcp:// address")
         elif not cep.startswith("ipc://"):
             raise ValueError(f"cache_endpoint must be ipc:// or tcp://, got {cep!r}")
-        if self.cache_every < 1 or self.l1_cache_entries < 0 or self.l1_cache_gb < 0 or self.l2_cache_gb <= 0:
-            raise ValueError("cache_every must be >= 1, l1 budgets >= 0 and l2_cache_gb > 0")
+        if cep == ep:
+            raise ValueError(f"cache_endpoint and endpoint are both {ep}: the worker and the cache process "
+                             "each need their own")
+        for name, low, strict in (("cache_every", 1, False), ("l1_cache_entries", 0, False),
+                                  ("l1_cache_gb", 0, False), ("l2_cache_gb", 0, True)):
+            value = getattr(self, name)
+            if value < low or (strict and value == low):
+                raise ValueError(f"{name} must be {'>' if strict else '>='} {low}, got {value}")
+        from dflash.engine.rollback import kv_bits_problem
+
+        if kv_bits_problem(self.kv_bits) is not None:
+            raise ValueError(kv_bits_problem(self.kv_bits))
         if self.blas not in ("auto", "mkl", "none"):
             raise ValueError(f"blas must be auto, mkl or none, got {self.blas!r}")
         for name in ("max_queue", "max_tokens_limit", "max_prompt_tokens", "max_frame_bytes", "max_attempts"):

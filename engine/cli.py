@@ -26,6 +26,14 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
     return value
 
 
+def _kv_bits(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
+    from .rollback import kv_bits_problem  # the one rule, imported only when the option is given
+
+    if value is not None and kv_bits_problem(value) is not None:
+        raise click.BadParameter(kv_bits_problem(value))
+    return value
+
+
 @main.command()
 @click.option("--model", "model_path", required=True, help="Target model directory (mlx-lm format).")
 @click.option("--draft", "draft_path", default=None, help="Draft directory; omitted: resolved from the registry.")
@@ -35,7 +43,8 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @click.option("--stop", multiple=True, help="Stop sequence (repeatable).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, help="Cast target and draft (CPU: float32 is fastest).")
-@click.option("--kv-bits", type=click.IntRange(2, 8), default=None, help="Quantize the target's KV cache.")
+@click.option("--kv-bits", type=int, default=None, callback=_kv_bits,
+              help="Quantize the target's KV cache to this many bits (2, 3, 4, 5, 6 or 8).")
 @click.option("--verify-window", default="auto", show_default=True, help="Tokens per verify: auto, full, or 1..block size (1 = plain decoding).")
 @click.option("--copy-draft/--no-copy-draft", default=True, show_default=True,
               help="When the text repeats itself, verify a copy of what followed its last tokens instead of the draft's block, where that is expected to pay.")
@@ -54,7 +63,8 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtype, kv_bits, verify_window, copy_draft,
              as_json, temperature, top_p, top_k, seed, compare_plain):
     """Generate with DFlash (greedy by default); prints text as it streams, then the stats."""
-    from .generate import COMPARING, Finished, comparison_line, format_stats, plain_comparison, stream_dflash_generate
+    from .generate import (COMPARING, Finished, comparison_line, format_stats, plain_comparison, sampling_line,
+                           stream_dflash_generate)
     from .loading import load_pair
     from .prompting import build_prompt
 
@@ -106,7 +116,7 @@ def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtyp
     else:
         click.echo(comparison_line(plain, s.decode_tps), err=True)
     if temperature > 0:
-        click.echo(f"sampling: temperature {temperature:g}, top_p {top_p:g}, top_k {top_k}, seed {seed}", err=True)
+        click.echo(sampling_line(sampling), err=True)
 
 
 @main.command("make-tiny")

@@ -126,7 +126,7 @@ def stream_dflash_generate(
     more tokens per unit of time (no draft pass at all). Deterministic proposals (q one-hot
     under sampling): like the window, it never changes the output or its distribution.
 
-    prefix_cache (e.g. dflash.cache.tiers.PrefixCache; not used with sparse prefill): resume
+    prefix_cache (e.g. dflash.cache.tiers.PrefixCache; refused with sparse prefill): resume
     from the longest stored prefix of the prompt and store snapshots of this prompt's prefill.
 
     window_memory: the same object for every generation of this pair (the daemon keeps one):
@@ -144,6 +144,8 @@ def stream_dflash_generate(
     """
     params = SamplingParams(temperature, top_p, top_k, seed)
     keys = None if params.greedy else KeyChain(params.seed)  # None: greedy, no randomness
+    if rollback.kv_bits_problem(kv_bits) is not None:
+        raise ValueError(rollback.kv_bits_problem(kv_bits))
     positions: list[int] | None = None
     if prompt_tokens_override is not None or prompt_token_positions is not None:
         if prompt_tokens_override is None or prompt_token_positions is None:
@@ -152,6 +154,9 @@ def stream_dflash_generate(
             )
         if kv_bits:
             raise ValueError("sparse prefill cannot be combined with kv_bits")
+        if prefix_cache is not None:
+            raise ValueError("sparse prefill cannot be combined with prefix_cache (its positions "
+                             "are not the prompt's, so its snapshots would not match a dense prompt)")
         prompt = list(prompt_tokens_override)
         positions = list(prompt_token_positions)
         sparse.validate(prompt, positions)
@@ -400,6 +405,15 @@ def stream_dflash_generate(
     stats.finish_reason = reason
     yield from out.drain(final=True)
     yield Finished(out.text, list(out.ids), stats)
+
+
+def sampling_line(sampling: dict[str, Any]) -> str:
+    """The sampling a run used, its seed included (drawn when none was given), so that a sampled
+    run can be repeated; "" for greedy runs."""
+    if not sampling.get("temperature"):
+        return ""
+    return (f"sampling: temperature {sampling['temperature']:g}, top_p {sampling.get('top_p', 1.0):g}, "
+            f"top_k {sampling.get('top_k', 0)}, seed {sampling.get('seed')}")
 
 
 def format_stats(s: dict[str, Any]) -> str:

@@ -142,6 +142,17 @@ def _rewind_rotating(c: RotatingKVCache, n_drop: int) -> None:
     c._idx = keep
 
 
+KV_BITS = (2, 3, 4, 5, 6, 8)  # what MLX's quantized KV cache takes (7 fails inside MLX)
+
+
+def kv_bits_problem(bits: int | None) -> str | None:
+    """Why `bits` cannot quantize the KV cache (None: it can, or None/0 asks for no quantizing);
+    checked before a model or a job runs, not when the first prefill ends."""
+    if not bits or bits in KV_BITS:
+        return None
+    return f"kv_bits must be one of {', '.join(map(str, KV_BITS))}, got {bits}"
+
+
 def quantize_kv(caches: list[Any], bits: int | None, group_size: int = 64) -> None:
     """Switch full-attention KV caches to quantized ones (mlx-lm's kv_bits), in place."""
     if not bits:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 
 import msgpack
@@ -262,6 +263,13 @@ def test_dflash_client_prompt_flags(daemon, tiny_pair):  # noqa: F811
     out = json.loads(res.output)
     assert out["token_ids"] == reference(tiny_pair, PROMPT, 16, **SAMPLED, **FULL)[1]
     assert out["stats"]["sampling"] == dict(SAMPLED)
+    # --stats names the seed too (here drawn by the worker: what repeats the job)
+    res = CliRunner().invoke(main, [*base[:-3], "--stats", "-m", "4", "--temperature", "0.8", PROMPT])
+    assert res.exit_code == 0, res.output
+    seed = re.search(r"sampling: temperature 0.8, top_p 1, top_k 0, seed (\d+)", res.stderr)
+    assert seed, res.stderr
+    again = CliRunner().invoke(main, [*base, "--temperature", "0.8", "-m", "4", "--seed", seed.group(1), PROMPT])
+    assert json.loads(again.output)["stats"]["sampling"]["seed"] == int(seed.group(1))
     for flags, word in [(["--temperature", "-1"], "--temperature"), (["--temperature", "inf"], "finite"),
                         (["--top-p", "0"], "--top-p"), (["--top-p", "1.5"], "--top-p"),
                         (["--top-k", "-3"], "--top-k"), (["--seed", "-1"], "--seed")]:
