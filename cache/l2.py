@@ -21,6 +21,7 @@ process so that its restart does that.
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import logging
 import os
@@ -45,6 +46,8 @@ DEFAULT_MAX_MESSAGE = 16 << 30
 MAX_POSITIONS = 1 << 22
 MAX_NAME = 200
 SNAP_PREFIX = "snap:"
+# Errors opening cache_dir that may pass (space freed, descriptors closed): a restart may help.
+_PASSING = {errno.ENOSPC, errno.EDQUOT, errno.EMFILE, errno.ENFILE, errno.ENOMEM}
 
 log = logging.getLogger("dflash.cache.l2")
 
@@ -311,8 +314,10 @@ def _positions_key(key: str | None, data: bytes) -> str | None:
 
 
 def _lock(directory: Path):
-    """Hold an exclusive lock on the store directory: one cache process per store."""
-    private_dir(directory)
+    """Hold an exclusive lock on the store directory: one cache process per store. The store's
+    folders are made here too, so that a cache_dir that cannot hold them fails before serving."""
+    for d in (directory, directory / "snapshots", directory / "positions"):
+        private_dir(d)
     f = open(directory / "l2.lock", "w")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -323,14 +328,25 @@ def _lock(directory: Path):
     return f  # kept open for the life of the process; the kernel drops it on any exit
 
 
+def _reason(e: OSError) -> str:
+    """An OSError as one short line: its message and the path it concerns, without the errno."""
+    if e.strerror is None:
+        return str(e)
+    return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+
+
 def run(directory: str | Path, endpoint: str, size_limit: int = DEFAULT_SIZE_LIMIT) -> None:
     """Serve until SIGTERM/SIGINT (exit 1 when a store turned out damaged: restart to repair)."""
     os.umask(0o077)  # every file and directory this process creates is private
     directory = Path(directory)
     try:
         lock = _lock(directory)
-    except PermissionError as e:  # e.g. a cache_dir owned by another user: restarting won't help
-        log.error("cannot use %s as the cache directory: %s", directory, e)
+    except OSError as e:
+        if e.errno in _PASSING:
+            log.error("cannot open the cache directory %s now: %s; exiting to be restarted", directory, _reason(e))
+            raise SystemExit(1)
+        # another user's, under a file, read-only...: restarting won't help
+        log.error("cannot use %s as the cache directory: %s", directory, _reason(e))
         raise SystemExit(2)
     if endpoint.startswith("ipc://"):
         Path(endpoint[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True)

