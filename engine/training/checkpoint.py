@@ -104,8 +104,10 @@ def save_checkpoint(
 
 
 def load_trainer(folder: str | Path) -> dict[str, Any] | None:
-    f = Path(folder) / "trainer.json"
-    return json.loads(f.read_text()) if f.is_file() else None
+    """trainer.json of `folder`, None when absent; a corrupt one raises naming the file."""
+    from .checks import read_trainer
+
+    return read_trainer(folder)
 
 
 def load_optimizer(folder: str | Path) -> tuple[dict[str, mx.array], dict[str, mx.array]] | None:

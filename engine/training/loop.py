@@ -37,6 +37,7 @@ from ..draft import DFlashDraft, DraftConfig, save_draft
 from ..drafters import check_fit
 from ..target import TargetModel, default_layer_ids
 from . import checkpoint as ck
+from .checks import ARCH_OPTIONS, preflight
 from . import data as td
 from .grow import grow
 from .objective import block_loss, cast_tree, default_gamma, position_weights, target_pass
@@ -217,14 +218,18 @@ def _dtype(name: str | None, on_gpu: bool) -> mx.Dtype:
 
 
 # --- the pipeline --------------------------------------------------------------------------------
-def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
-    """Data -> training (target features per batch) -> checkpoint + draft -> held-out evaluation."""
+def train_draft(opts: TrainOptions, log: Log = print,
+                explicit_arch: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Data -> training (target features per batch) -> checkpoint + draft -> held-out evaluation.
+
+    `explicit_arch`: the architecture options a user typed, refused when a resume contradicts them."""
     from mlx.utils import tree_flatten, tree_unflatten
     import mlx.optimizers as optim
     from mlx_lm import load as mlx_load
 
     from ..loading import resolve_model
 
+    preflight(opts, explicit_arch)  # before any model load or write
     t_begin = time.perf_counter()
     dist = Dist()
     say: Log = log if dist.main else (lambda s: None)
@@ -254,6 +259,8 @@ def train_draft(opts: TrainOptions, log: Log = print) -> dict[str, Any]:
         draft = ck.load_draft_any(opts.init_draft, mx.float32)
     else:
         probe = TargetModel(model, [0])
+        if opts.layer_ids is None and opts.num_capture > probe.num_layers:
+            raise ValueError(f"--num-capture {opts.num_capture} is over the target's {probe.num_layers} layers")
         mask_id = opts.mask_token_id if opts.mask_token_id is not None else pick_mask_token(tokenizer)
         draft = DFlashDraft(draft_config_for(probe, opts.layers, opts.block_size, mask_id,
                                              opts.layer_ids, opts.num_capture))
@@ -566,32 +573,39 @@ def _cli():
         except ValueError:
             raise click.BadParameter(f"expected layer numbers separated by commas, got {value!r}") from None
 
+    def _explicit(ctx: click.Context, kw: dict) -> dict:
+        """The architecture options typed on the command line (not left at their defaults)."""
+        from click.core import ParameterSource
+
+        return {k: kw[k] for k in ARCH_OPTIONS
+                if k in kw and ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, None)}
+
     @click.command("train-draft")
     @click.option("--target", required=True, help="Target model directory (mlx-lm format).")
     @click.option("--out", required=True, help="Output folder: draft (published format), checkpoint/, logs, README.md.")
     @click.option("--data-dir", default=None, help="Cache of prompts + responses (default OUT/data).")
     @click.option("--layers", default=1, show_default=True, type=click.IntRange(1))
     @click.option("--block-size", default=16, show_default=True, type=click.IntRange(2))
-    @click.option("--num-capture", default=5, show_default=True, help="Target layers captured (K).")
+    @click.option("--num-capture", default=5, show_default=True, type=click.IntRange(1), help="Target layers captured (K).")
     @click.option("--mask-token-id", default=None, type=int, help="Default: an unused special token.")
     @click.option("--init-draft", default=None, help="Start a new campaign from this draft's weights (published format or a checkpoint).")
     @click.option("--init-from-target", is_flag=True, help="Warm-start draft layers from the target's last layers.")
     @click.option("--resume", default=None, help="Continue the campaign of this checkpoint folder (OUT/checkpoint of a previous run).")
     @click.option("--total-steps", default=None, type=click.IntRange(1), help="The campaign's length: the cosine ends here (default --max-steps, else 10000; a resume keeps its own unless given).")
     @click.option("--max-steps", default=None, type=click.IntRange(1), help="Stop THIS session after this many steps.")
-    @click.option("--time-budget-s", default=None, type=float, help="Stop THIS session after this much training time (compile steps not counted).")
-    @click.option("--compile-steps", default=2, show_default=True, help="First steps timed apart (trace + kernel JIT), before the budget clock.")
+    @click.option("--time-budget-s", default=None, type=click.FloatRange(min=0, min_open=True), help="Stop THIS session after this much training time (compile steps not counted).")
+    @click.option("--compile-steps", default=2, show_default=True, type=click.IntRange(0), help="First steps timed apart (trace + kernel JIT), before the budget clock.")
     @click.option("--grow-mlp", default=0, show_default=True, type=click.IntRange(0), help="With --resume or --init-draft: widen every MLP to this intermediate size (the new down_proj columns zero: same proposals; engine/training/grow.py); the optimiser re-warms up.")
     @click.option("--grow-taps", default="", callback=_layer_list, help="With --resume or --init-draft: also capture these target layers (comma-separated), fc's new columns zero: same proposals (engine/training/grow.py); the optimiser re-warms up.")
     @click.option("--grow-layers", default=0, show_default=True, type=click.IntRange(0), help="With --resume or --init-draft: append this many layers that start as the identity (output projections zero; engine/training/grow.py); the optimiser re-warms up.")
-    @click.option("--rewarmup-steps", default=200, show_default=True, help="On --resume without optimiser moments: lr ramps from 0 over this many steps.")
+    @click.option("--rewarmup-steps", default=200, show_default=True, type=click.IntRange(0), help="On --resume without optimiser moments: lr ramps from 0 over this many steps.")
     @click.option("--restart-lr", default=None, type=click.FloatRange(min=0, min_open=True), help="With --resume and --total-steps: a warm restart, a new cosine from this lr at the resume step to the new total.")
-    @click.option("--lr", default=6e-4, show_default=True)
-    @click.option("--warmup", default=0.04, show_default=True, help="Warm-up: a fraction of --total-steps (< 1) or a number of steps.")
-    @click.option("--min-lr-ratio", default=0.05, show_default=True, help="The cosine ends at lr x this.")
-    @click.option("--weight-decay", default=0.01, show_default=True)
-    @click.option("--grad-clip", default=1.0, show_default=True)
-    @click.option("--gamma", default=None, type=float, help="Loss decay over block positions (default 7 for B=16).")
+    @click.option("--lr", default=6e-4, show_default=True, type=click.FloatRange(min=0, min_open=True))
+    @click.option("--warmup", default=0.04, show_default=True, type=click.FloatRange(0), help="Warm-up: a fraction of --total-steps (< 1) or a number of steps.")
+    @click.option("--min-lr-ratio", default=0.05, show_default=True, type=click.FloatRange(0, 1), help="The cosine ends at lr x this.")
+    @click.option("--weight-decay", default=0.01, show_default=True, type=click.FloatRange(0))
+    @click.option("--grad-clip", default=1.0, show_default=True, type=click.FloatRange(min=0, min_open=True))
+    @click.option("--gamma", default=None, type=click.FloatRange(min=0, min_open=True), help="Loss decay over block positions (default 7 for B=16).")
     @click.option("--kl-weight", default=0.0, show_default=True, type=click.FloatRange(0, 1), help="loss = (1-a) CE + a KL(target || draft).")
     @click.option("--argmax-labels", is_flag=True, help="Train on the target's own argmax at every block row (what a greedy verify checks) instead of the data's token (a sampled answer's token is not the argmax 28.5% of the time).")
     @click.option("--miss-anchor-frac", default=0.0, show_default=True, type=click.FloatRange(0, 1), help="Share of anchors placed where the draft's next block would start after a miss (data.MissMemory).")
@@ -599,35 +613,37 @@ def _cli():
     @click.option("--early-anchor-window", default=128, show_default=True, type=click.IntRange(1), help="Response tokens counted as an answer's start for --early-anchor-frac.")
     @click.option("--short-block-frac", default=0.0, show_default=True, type=click.FloatRange(0, 1), help="Share of blocks trained cut short, [anchor, MASK x (n-1)] with n in 2..--short-block-max: the block a short verify window runs, so its draft pass is cheaper (the draft's config records it; engine/drafters.py).")
     @click.option("--short-block-max", default=4, show_default=True, type=click.IntRange(2), help="The longest cut block for --short-block-frac.")
-    @click.option("--seqs-per-batch", default=16, show_default=True, help="Sequences per step and rank.")
-    @click.option("--anchors-per-seq", default=64, show_default=True, help="Blocks per sequence and step.")
-    @click.option("--max-len", default=640, show_default=True, help="Sequences cut here; every batch is padded to min(this, longest rounded up to 32).")
+    @click.option("--seqs-per-batch", default=16, show_default=True, type=click.IntRange(1), help="Sequences per step and rank.")
+    @click.option("--anchors-per-seq", default=64, show_default=True, type=click.IntRange(1), help="Blocks per sequence and step.")
+    @click.option("--max-len", default=640, show_default=True, type=click.IntRange(1), help="Sequences cut here; every batch is padded to min(this, longest rounded up to 32).")
     @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default=None, help="Target dtype (default: bf16 on GPU, fp32 on CPU).")
     @click.option("--compute-dtype", type=click.Choice(["float32", "bfloat16"]), default=None, help="The draft's maths (fp32 masters always; default bf16 on GPU, fp32 on CPU).")
     @click.option("--no-compile", is_flag=True)
     @click.option("--seed", default=0, show_default=True)
     @click.option("--prompts", default=None, help="Prompt file (JSONL with prompt/kind, or one per line).")
-    @click.option("--num-prompts", default=600, show_default=True, help="Built-in prompts to use.")
-    @click.option("--derive-prompts", default=0, show_default=True, help="Extra prompts the target writes itself (sampled user turns).")
+    @click.option("--num-prompts", default=600, show_default=True, type=click.IntRange(0), help="Built-in prompts to use (0: none, when --prompts or --derive-prompts give the data).")
+    @click.option("--derive-prompts", default=0, show_default=True, type=click.IntRange(0), help="Extra prompts the target writes itself (sampled user turns).")
     @click.option("--exclude-prompts", default=None, help="Prompt file whose prompts are not trained on (e.g. earlier sessions' derived prompts: they still seed the new draws, see docs/training.md).")
     @click.option("--heldout-file", default=None, help="Held-out prompts (default: the committed engine/training/heldout_prompts.jsonl).")
-    @click.option("--max-new-tokens", default=256, show_default=True)
+    @click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(1))
     @click.option("--sampled-responses", default=0.0, show_default=True, type=click.FloatRange(0, 1), help="Share of prompts answered by sampling at --response-temperature instead of greedily (which prompts: a hash of their text; cached responses are kept as they are).")
     @click.option("--train-responses", default="all", show_default=True, type=click.Choice(["all", "greedy", "sampled"]), help="Which cached answers are trained on: greedy ones match what greedy decoding verifies at every block position; sampled ones (--sampled-responses) what sampling meets.")
     @click.option("--response-temperature", default=0.7, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Temperature of the sampled responses.")
-    @click.option("--gen-batch-size", default=64, show_default=True)
+    @click.option("--gen-batch-size", default=64, show_default=True, type=click.IntRange(1))
     @click.option("--data-only", is_flag=True, help="Generate (or complete) the data cache, then stop.")
-    @click.option("--eval-max-tokens", default=128, show_default=True)
-    @click.option("--eval-prompts", default=None, type=int, help="Held-out prompts to evaluate (default all; 0: none).")
-    @click.option("--ckpt-every", default=500, show_default=True)
-    @click.option("--log-every", default=10, show_default=True)
-    @click.option("--part-mb", default=15.0, show_default=True, help="Checkpoint weight files at most this big (MB).")
+    @click.option("--eval-max-tokens", default=128, show_default=True, type=click.IntRange(1))
+    @click.option("--eval-prompts", default=None, type=click.IntRange(0), help="Held-out prompts to evaluate (default all; 0: none).")
+    @click.option("--ckpt-every", default=500, show_default=True, type=click.IntRange(0), help="Checkpoint every this many steps (0: only at the end).")
+    @click.option("--log-every", default=10, show_default=True, type=click.IntRange(1))
+    @click.option("--part-mb", default=15.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Checkpoint weight files at most this big (MB).")
     @click.option("--save-optimizer", is_flag=True, help="Also keep AdamW moments + fp32 masters (too big to bring back from a lent GPU).")
-    def train_draft_command(**kw):
+    @click.pass_context
+    def train_draft_command(ctx: click.Context, **kw):
         """Train a DFlash draft for TARGET on its own greedy responses; writes OUT + README.md."""
         kw["compile"] = not kw.pop("no_compile")
         try:
-            train_draft(TrainOptions(**kw), log=lambda s: click.echo(s, err=True))
+            train_draft(TrainOptions(**kw), log=lambda s: click.echo(s, err=True),
+                        explicit_arch=_explicit(ctx, kw))
         except (ValueError, FileNotFoundError) as e:
             raise click.ClickException(str(e)) from e
 

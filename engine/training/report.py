@@ -153,7 +153,7 @@ def _eval_cli():
 
         from .. import draftvocab
         from ..draft import load_draft
-        from ..drafters import short_block_max
+        from ..drafters import check_fit, short_block_max
         from ..loading import draft_dtype, resolve_model
         from . import data as td
 
@@ -165,10 +165,13 @@ def _eval_cli():
             pairs = td.load_heldout(heldout_file)[:n_prompts]
         except (ValueError, FileNotFoundError) as e:
             raise click.ClickException(str(e)) from e
+        if not pairs:
+            raise click.ClickException(f"no prompts in {heldout_file or td.HELDOUT_FILE}")
         samples = [td.Sample(k, p, td.chat_ids(tokenizer, p), [], "heldout") for k, p in pairs]
         log = lambda s: click.echo(s, err=True)  # noqa: E731
-        tm = TargetModel(model, d.config.target_layer_ids)
         try:
+            tm = TargetModel(model, d.config.target_layer_ids)
+            check_fit(d, tm)  # a draft for another target: one line, as `dflash generate` says it
             vocab = draftvocab.choose(draft, tm.vocab_size)
         except ValueError as e:
             raise click.ClickException(str(e)) from e

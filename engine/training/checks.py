@@ -1,0 +1,97 @@
+"""Checks that run before train-draft loads a model: a mistyped command must fail in one line
+and change nothing on disk, never overwrite a campaign or train zero steps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# train-draft options that shape a NEW draft; a resumed draft keeps its checkpoint's shape
+ARCH_OPTIONS = ("layers", "block_size", "num_capture", "layer_ids", "mask_token_id")
+
+
+def read_trainer(folder: str | Path) -> dict[str, Any] | None:
+    """trainer.json of a checkpoint folder (None when absent); a corrupt one is named."""
+    f = Path(folder) / "trainer.json"
+    if not f.is_file():
+        return None
+    try:
+        data = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{f}: not a readable trainer.json ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("step"), int):
+        raise ValueError(f"{f}: not a trainer.json (no integer 'step')")
+    return data
+
+
+def check_out(out: str, resume: str | bool | None) -> None:
+    """Refuse an empty --out, and one whose checkpoint a fresh run would overwrite."""
+    if not out.strip():
+        raise ValueError("--out is empty: name the folder for the draft and its checkpoint")
+    ckpt = Path(out) / "checkpoint"
+    if resume is True or (resume and Path(resume).resolve() == ckpt.resolve()):
+        return  # a resume into its own folder continues (and rewrites) that campaign
+    trainer = read_trainer(ckpt)
+    if trainer is not None and resume:
+        raise ValueError(f"{ckpt} already holds another campaign at step {trainer['step']}: "
+                         f"resuming {resume} would overwrite it; choose another --out")
+    if trainer is not None:
+        raise ValueError(f"{ckpt} already holds a campaign at step {trainer['step']}: pass "
+                         f"--resume {ckpt} to continue it, or choose another --out")
+
+
+def check_sources(num_prompts: int, prompts: str | None, derive_prompts: int) -> None:
+    """0 built-in prompts is fine when another source gives data, not when none does."""
+    if num_prompts == 0 and not prompts and derive_prompts == 0:
+        raise ValueError("--num-prompts 0 with no --prompts file and no --derive-prompts: no training data")
+
+
+def check_flags(resume: str | None, init_draft: str | None, restart_lr: float | None) -> None:
+    """Options that mean nothing in this combination, refused rather than ignored."""
+    if resume and init_draft:
+        raise ValueError("--init-draft starts a new campaign; --resume continues one: pass only one")
+    if restart_lr is not None and not resume:
+        raise ValueError("--restart-lr is a warm restart of a resumed campaign: it needs --resume")
+
+
+def check_resume_arch(resume: str, explicit: dict[str, Any]) -> None:
+    """Refuse architecture options given explicitly that differ from the checkpoint's draft."""
+    cfg_file = Path(resume) / "config.json"
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return  # the draft loader reports a missing or bad config itself
+    dc = cfg.get("dflash_config", {})
+    taps = dc.get("target_layer_ids", cfg.get("target_layer_ids", []))
+    have = {"layers": cfg.get("num_hidden_layers"), "block_size": cfg.get("block_size"),
+            "num_capture": len(taps), "layer_ids": list(taps),
+            "mask_token_id": dc.get("mask_token_id", cfg.get("mask_token_id"))}
+    for name, value in explicit.items():
+        if have.get(name) is not None and value != have[name]:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} {value} contradicts the checkpoint {resume} ({have[name]}): "
+                             "a resume keeps its draft's shape (grow it with --grow-*)")
+
+
+def check_resume_steps(resume: str, total_steps: int | None) -> None:
+    """Refuse a resume with no step left to train (it would rewrite the draft for nothing)."""
+    trainer = read_trainer(resume)
+    if trainer is None:
+        raise ValueError(f"--resume {resume}: no trainer.json (not a training checkpoint)")
+    step = trainer["step"]
+    total = total_steps or int(trainer.get("schedule", {}).get("total_steps", 0))
+    if step >= total:
+        raise ValueError(f"the checkpoint {resume} is at step {step} of {total}: pass a "
+                         f"--total-steps above {step} to continue")
+
+
+def preflight(opts: Any, explicit_arch: dict[str, Any] | None = None) -> None:
+    """Every check above for TrainOptions `opts`; `explicit_arch`: architecture options the
+    user typed (the CLI knows them; the Python API passes none)."""
+    check_out(opts.out, opts.resume or opts.data_only)  # --data-only writes no checkpoint
+    check_flags(opts.resume, opts.init_draft, opts.restart_lr)
+    check_sources(opts.num_prompts, opts.prompts, opts.derive_prompts)
+    if opts.resume:
+        check_resume_steps(opts.resume, opts.total_steps)
+        check_resume_arch(opts.resume, explicit_arch or {})
