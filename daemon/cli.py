@@ -229,7 +229,7 @@ def status(config_path, as_json, **flags):
         click.echo(f"  jobs: {st['jobs_done']} done, {st['jobs_failed']} failed, {st['jobs_cancelled']} cancelled;"
                    f" {st['tokens_generated']} tokens; {st['bad_frames']} bad frames")
         for line in cache_lines(st.get("cache")):
-            click.echo("  " + " ".join(line.split()))
+            click.echo("  " + _one_line(line))
     if st is None:
         sys.exit(3)
 

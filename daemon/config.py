@@ -142,8 +142,8 @@ class DaemonConfig:
                 raise ValueError(f"{name} must be {'>' if strict else '>='} {low}, got {value}")
         from dflash.engine.rollback import kv_bits_problem
 
-        if kv_bits_problem(self.kv_bits) is not None:
-            raise ValueError(kv_bits_problem(self.kv_bits))
+        if (problem := kv_bits_problem(self.kv_bits)) is not None:
+            raise ValueError(problem)
         if self.blas not in ("auto", "mkl", "none"):
             raise ValueError(f"blas must be auto, mkl or none, got {self.blas!r}")
         for name in ("max_queue", "max_tokens_limit", "max_prompt_tokens", "max_frame_bytes", "max_attempts"):

@@ -29,8 +29,8 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 def _kv_bits(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
     from .rollback import kv_bits_problem  # the one rule, imported only when the option is given
 
-    if value is not None and kv_bits_problem(value) is not None:
-        raise click.BadParameter(kv_bits_problem(value))
+    if value is not None and (problem := kv_bits_problem(value)) is not None:
+        raise click.BadParameter(problem)
     return value
 
 

@@ -144,8 +144,8 @@ def stream_dflash_generate(
     """
     params = SamplingParams(temperature, top_p, top_k, seed)
     keys = None if params.greedy else KeyChain(params.seed)  # None: greedy, no randomness
-    if rollback.kv_bits_problem(kv_bits) is not None:
-        raise ValueError(rollback.kv_bits_problem(kv_bits))
+    if (problem := rollback.kv_bits_problem(kv_bits)) is not None:
+        raise ValueError(problem)
     positions: list[int] | None = None
     if prompt_tokens_override is not None or prompt_token_positions is not None:
         if prompt_tokens_override is None or prompt_token_positions is None:

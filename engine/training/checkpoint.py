@@ -104,10 +104,17 @@ def save_checkpoint(
 
 
 def load_trainer(folder: str | Path) -> dict[str, Any] | None:
-    """trainer.json of `folder`, None when absent; a corrupt one raises naming the file."""
-    from .checks import read_trainer
-
-    return read_trainer(folder)
+    """trainer.json of a checkpoint folder (None when absent); a corrupt one is named."""
+    f = Path(folder) / "trainer.json"
+    if not f.is_file():
+        return None
+    try:
+        data = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{f}: not a readable trainer.json ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("step"), int):
+        raise ValueError(f"{f}: not a trainer.json (no integer 'step')")
+    return data
 
 
 def load_optimizer(folder: str | Path) -> tuple[dict[str, mx.array], dict[str, mx.array]] | None:

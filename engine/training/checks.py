@@ -7,22 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .checkpoint import load_trainer
+
 # train-draft options that shape a NEW draft; a resumed draft keeps its checkpoint's shape
 ARCH_OPTIONS = ("layers", "block_size", "num_capture", "layer_ids", "mask_token_id")
-
-
-def read_trainer(folder: str | Path) -> dict[str, Any] | None:
-    """trainer.json of a checkpoint folder (None when absent); a corrupt one is named."""
-    f = Path(folder) / "trainer.json"
-    if not f.is_file():
-        return None
-    try:
-        data = json.loads(f.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{f}: not a readable trainer.json ({e})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("step"), int):
-        raise ValueError(f"{f}: not a trainer.json (no integer 'step')")
-    return data
 
 
 def check_out(out: str, resume: str | bool | None) -> None:
@@ -32,7 +20,7 @@ def check_out(out: str, resume: str | bool | None) -> None:
     ckpt = Path(out) / "checkpoint"
     if resume is True or (resume and Path(resume).resolve() == ckpt.resolve()):
         return  # a resume into its own folder continues (and rewrites) that campaign
-    trainer = read_trainer(ckpt)
+    trainer = load_trainer(ckpt)
     if trainer is not None and resume:
         raise ValueError(f"{ckpt} already holds another campaign at step {trainer['step']}: "
                          f"resuming {resume} would overwrite it; choose another --out")
@@ -76,7 +64,7 @@ def check_resume_arch(resume: str, explicit: dict[str, Any]) -> None:
 
 def check_resume_steps(resume: str, total_steps: int | None) -> None:
     """Refuse a resume with no step left to train (it would rewrite the draft for nothing)."""
-    trainer = read_trainer(resume)
+    trainer = load_trainer(resume)
     if trainer is None:
         raise ValueError(f"--resume {resume}: no trainer.json (not a training checkpoint)")
     step = trainer["step"]
