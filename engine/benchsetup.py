@@ -350,7 +350,12 @@ def prompt_ids(setup: Setup, length: int, text: str | None, seed: int) -> list[i
     if setup.random_prompts and text is None:
         rng = random.Random(seed * 1_000_003 + length)
         return [rng.randrange(setup.target.vocab_size) for _ in range(length)]
-    tok = setup.tokenizer
+    return text_prompt_ids(setup.tokenizer, length, text)
+
+
+def text_prompt_ids(tok: Any, length: int, text: str | None = None) -> list[int]:
+    """Exactly `length` ids of raw text (`text`, else the built-in prose) after the BOS token,
+    the text repeated as often as it takes: the benchmark's `--contexts` prompts."""
     body = list(tok.encode(text or BUILTIN_TEXT, add_special_tokens=False))
     if not body:
         raise ValueError("the prompt text encodes to no tokens")

@@ -1,6 +1,7 @@
 """Where a DFlash cycle's time goes on a host-bound device: host phases against the one wait.
 
     python scripts/cycle_profile.py --model MODEL --draft DRAFT [--heldout 11] [--out cp.json]
+    python scripts/cycle_profile.py --model MODEL --draft DRAFT --contexts 1024,1500   # raw text
 
 On the H200 a draft cycle of the 135M default pair costs ~3.2 plain-step times whatever its
 window (session 19), while its two forwards, synced one by one, add up to ~2.5 (session 14's
@@ -12,7 +13,10 @@ lookup, the rewind, handing out text (push / drain), and the one host read of th
 says whether the device or the host sets the cycle's pace, and which phase to make cheaper.
 mlx-lm's own decode loop on the same prompts gives the plain-step time the phases are counted in.
 Each prompt is decoded once unmeasured first (warm-up), so cache lengths are revisited: these are
-shares of a cycle, not first-time-length speeds.
+shares of a cycle, not first-time-length speeds. Prompts: the five chat questions and `--heldout`
+held-out prompts through the chat template, or with `--contexts` raw text of those lengths (the
+benchmark's built-in prose, as `dflash benchmark --contexts` builds them), where long caches and
+the text's repeats (copy drafting) change what a cycle costs.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import mlx.core as mx
 from dflash.engine import generate as gen
 from dflash.engine import lookup, rollback, window
 from dflash.engine.benchmark import hardware_info, versions
-from dflash.engine.benchsetup import CHAT_QUESTIONS
+from dflash.engine.benchsetup import CHAT_QUESTIONS, text_prompt_ids
 from dflash.engine.loading import load_pair
 from dflash.engine.prompting import build_prompt, prompt_lines
 
@@ -136,22 +140,40 @@ def run(pair: Any, ids: list[int], max_tokens: int, verify_window: str) -> tuple
     return stats, time.perf_counter() - t_first
 
 
+def _lengths(ap: argparse.ArgumentParser, text: str | None) -> list[int]:
+    """--contexts as prompt lengths (none: the chat prompts); a bad list is a usage error."""
+    if text is None:
+        return []
+    try:
+        lengths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 2:
+        ap.error(f"--contexts {text!r}: expected comma-separated prompt lengths of 2 tokens or more")
+    return lengths
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--draft", default=None)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--heldout", type=int, default=11, help="held-out prompts after the 5 chat questions")
+    ap.add_argument("--contexts", default=None,
+                    help="comma-separated prompt lengths of raw text, instead of chat and held-out prompts")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--window", default="auto", help="verify window for the profiled runs (auto, full, N)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
+    lengths = _lengths(ap, a.contexts)
     pair = load_pair(a.model, a.draft, dtype=a.dtype)
-    here = Path(__file__).resolve().parent.parent
-    held = [q for _, q in prompt_lines((here / "engine/training/heldout_prompts.jsonl").read_text())]
-    questions = CHAT_QUESTIONS + held[: a.heldout]
-    prompts = [build_prompt(pair.tokenizer, q) for q in questions]
+    if lengths:
+        prompts = [text_prompt_ids(pair.tokenizer, n) for n in lengths]
+    else:
+        here = Path(__file__).resolve().parent.parent
+        held = [q for _, q in prompt_lines((here / "engine/training/heldout_prompts.jsonl").read_text())]
+        prompts = [build_prompt(pair.tokenizer, q) for q in CHAT_QUESTIONS + held[: a.heldout]]
     steps = []
     for ids in prompts:  # warm-up, then mlx-lm's step time on each prompt
         baseline_step_s(pair, ids, 16)
@@ -175,7 +197,7 @@ def main() -> None:
             counts[k] += CALLS[k]
         for k in ("generated_tokens", "cycles", "plain_steps", "accepted_drafts", "copy_cycles", "run_ahead"):
             agg[k] += getattr(s, k)
-        per_prompt.append({"tokens": s.generated_tokens, "cycles": s.cycles, "plain": s.plain_steps,
+        per_prompt.append({"prompt_tokens": len(ids), "tokens": s.generated_tokens, "cycles": s.cycles, "plain": s.plain_steps,
                            "decode_tps": round(s.decode_tps, 2), "tokens_per_cycle": round(s.tokens_per_cycle, 3)})
     cycles = max(agg["cycles"], 1)
     phases = {k: {"ms_total": round(v * 1e3, 2), "calls": counts[k],
@@ -186,6 +208,7 @@ def main() -> None:
     result = {
         "what": "host phases of engine/generate.py's loop, timed in place; the wait is the cycle's one host read",
         "measured": "each prompt decoded once before (warm-up): cache lengths revisited, not first-time lengths",
+        "prompts": f"raw text of {lengths} tokens" if lengths else "chat questions and held-out prompts, chat template",
         "args": vars(a),
         "plain_step_ms_mlx_lm": round(step_s * 1e3, 3),
         "plain_step_ms_per_prompt": [round(x * 1e3, 3) for x in steps],

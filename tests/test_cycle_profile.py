@@ -31,3 +31,18 @@ def test_the_profile_times_every_cycle_once_and_accounts_for_its_time(tiny_dirs,
     assert 0 < accounted <= res["decode_s"] * 1e3 + 1.0
     assert res["plain_step_ms_mlx_lm"] > 0 and res["steps_per_cycle"] > 0
     assert "wait (summary read)" in r.stdout and "steps" in r.stdout
+
+
+def test_raw_text_prompts_of_the_lengths_asked(tiny_dirs, tmp_path: Path):
+    d = tiny_dirs["qwen3"]
+    out = tmp_path / "cp.json"
+    r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(d), "--draft", str(d / "draft"),
+                        "--contexts", "40,70", "--max-tokens", "12", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert [p["prompt_tokens"] for p in res["per_prompt"]] == [40, 70]
+    assert res["prompts"].startswith("raw text") and res["totals"]["cycles"] >= 2
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--model", str(d), "--contexts", "a,b"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--contexts 'a,b'" in bad.stderr
