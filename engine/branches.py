@@ -23,7 +23,8 @@ What it buys, measured offline on 48 held-out prompts (the bundled SmolLM2 draft
 tokens per cycle 2.57 with one row, 2.90 / 3.16 / 3.40 with 2 / 4 / 8 rows; other rules (swaps
 ranked by expected accepted length, trees of two or three swaps a row) gave the same up to 8
 rows (session 26, docs/benchmark.md). What it costs: R times the verify's tokens, and a copy of
-the KV cache per row each cycle (`rollback.tile_rows`).
+the KV cache per row each cycle (`rollback.into_rows`; DFLASH_ROWS_KEEP=1 keeps the rows between
+cycles instead, engine/rowcache.py, opt-in until measured on a GPU).
 On the H200 (bf16, SmolLM2-135M) the step is bound by launching kernels, not by the rows: a
 16-token verify took 13.1 ms with one row, 14.8 ms with 8 (session 15). End to end it paid once
 MLX's CUDA graphs were off and the products fused (sessions 21-22): session 24, mlx-lm's own

@@ -6,7 +6,7 @@ ops, so the cycle needs a single host read (the summary array: accepted count + 
 ids) and nothing scales with the vocabulary in Python.
 
 Greedy drafts may come as several rows [R, k-1] (engine/branches.py): the target scores all R
-blocks in one batched pass over caches copied into R rows, and the row accepted furthest is
+blocks in one batched pass over caches in R rows (rollback.into_rows), and the row accepted furthest is
 kept (row 0 on ties) -- its tokens, its features, its cache row -- all chosen on the device, so
 to the caller the cycle looks like one verify of that row.
 """
@@ -115,12 +115,12 @@ def verify_rows(target: TargetModel, caches: list[Any], anchor: mx.array, drafts
     rows, width = drafts.shape[0], drafts.shape[1] + 1
     anchor = mx.broadcast_to(anchor.reshape(1, 1).astype(mx.int32), (rows, 1))
     block = mx.concatenate([anchor, drafts.astype(mx.int32)], axis=1)
-    rollback.tile_rows(caches, rows)
+    rollback.into_rows(caches, rows)
     logits, features = target.forward(block, caches, eager=True)
     greedy = taught(mx.argmax(logits, axis=-1).astype(mx.int32), forced)  # [R, k]
     accepted = greedy_accept(block[:, 1:], greedy)  # [R]
     best = mx.argmax(accepted).astype(mx.int32)  # the first of the longest: row 0 on ties
-    rollback.keep_row(caches, best)
+    rollback.keep_row(caches, best, width)
     tokens = greedy[best]
     features = mx.take(features, best.reshape(1), axis=0)
     summary = mx.concatenate([accepted[best].reshape(1), tokens, best.reshape(1)])
