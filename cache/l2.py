@@ -15,7 +15,9 @@ A put with ack=False gets no reply (write-behind from the worker). Bad frames ge
 Snapshots are other users' prompts' KV state: everything this process creates is private (umask
 077; the store directories are chmod 0700 even when they already existed). A damaged store is
 moved aside and recreated at start-up (cache/repair.py); damage found while serving ends the
-process so that its restart does that.
+process so that its restart does that. Each of these exits (1: restart me, 2: a cache_dir a
+restart won't fix, 3: another cache process holds the store) leaves its reason for a supervisor
+(daemon/supervisor.py `write_exit_reason`), which shows it in `dflashd start` and `status`.
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import diskcache
 import msgpack
 import zmq
 
 from dflash.daemon.paths import private_dir
+from dflash.daemon.supervisor import write_exit_reason
 
 from . import repair, snapshot
 from .snapshot import CorruptSnapshot
@@ -323,8 +326,7 @@ def _lock(directory: Path):
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         f.close()
-        log.error("another cache process holds %s", directory)
-        raise SystemExit(3)  # like the worker: a supervisor does not retry this
+        _exit(3, f"another cache process holds {directory}")  # like the worker: a supervisor does not retry this
     return f  # kept open for the life of the process; the kernel drops it on any exit
 
 
@@ -335,6 +337,13 @@ def _reason(e: OSError) -> str:
     return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
 
 
+def _exit(code: int, reason: str) -> NoReturn:
+    """Log why this process exits and leave the reason for its supervisor."""
+    log.error("%s", reason)
+    write_exit_reason(reason)
+    raise SystemExit(code)
+
+
 def run(directory: str | Path, endpoint: str, size_limit: int = DEFAULT_SIZE_LIMIT) -> None:
     """Serve until SIGTERM/SIGINT (exit 1 when a store turned out damaged: restart to repair)."""
     os.umask(0o077)  # every file and directory this process creates is private
@@ -343,11 +352,9 @@ def run(directory: str | Path, endpoint: str, size_limit: int = DEFAULT_SIZE_LIM
         lock = _lock(directory)
     except OSError as e:
         if e.errno in _PASSING:
-            log.error("cannot open the cache directory %s now: %s; exiting to be restarted", directory, _reason(e))
-            raise SystemExit(1)
+            _exit(1, f"cannot open the cache directory {directory} now: {_reason(e)}; exiting to be restarted")
         # another user's, under a file, read-only...: restarting won't help
-        log.error("cannot use %s as the cache directory: %s", directory, _reason(e))
-        raise SystemExit(2)
+        _exit(2, f"cannot use {directory} as the cache directory: {_reason(e)}")
     if endpoint.startswith("ipc://"):
         Path(endpoint[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True)
     store = Store(directory, size_limit)
@@ -368,8 +375,7 @@ def run(directory: str | Path, endpoint: str, size_limit: int = DEFAULT_SIZE_LIM
         store.close()
         lock.close()
     if server.damaged:
-        log.error("L2 store damaged while serving (%s); exiting so that a restart repairs it", server.damaged)
-        raise SystemExit(1)
+        _exit(1, f"L2 store damaged while serving ({server.damaged}); exiting so that a restart repairs it")
 
 
 def start_cache_process(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -9,7 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -72,6 +73,35 @@ def _worker_restarts(cfg: DaemonConfig, sup_pid: int) -> int:
         return 0
 
 
+def _child_error(cfg: DaemonConfig, sup_pid: int | None, name: str) -> str | None:
+    """The reason the supervisor `sup_pid`'s child `name` gave when it last exited (None: none,
+    or no such supervisor running)."""
+    state = supervisor.read_state(cfg.runtime_path())
+    child = state.get("children", {}).get(name) if sup_pid and state.get("supervisor_pid") == sup_pid else None
+    error = child.get("last_error") if isinstance(child, dict) else None
+    return error if isinstance(error, str) and error else None
+
+
+def _cache_failure(cfg: DaemonConfig, sup_pid: int, wait_s: float = 2.0) -> str | None:
+    """Why the cache process (L2) is down just after a start; None when it serves (or cache is
+    off). It starts alongside the worker and has usually failed or started serving long before
+    the model is loaded: the bounded wait covers one the supervisor has not reaped yet."""
+    if not cfg.cache:
+        return None
+    from dflash.cache.client import CacheClient
+
+    probe = CacheClient(cfg.resolved_cache_endpoint(), timeout_s=0.2, connect_timeout_s=0.1, retry_after_s=0.0)
+    end = time.monotonic() + wait_s
+    try:
+        while True:
+            error = _child_error(cfg, sup_pid, "cache")
+            if error or probe.ping() or time.monotonic() >= end:
+                return error
+            time.sleep(0.1)
+    finally:
+        probe.close()
+
+
 def _stats(cfg: DaemonConfig, timeout: float) -> dict | None:
     from dflash.client.errors import DFlashError
 
@@ -103,9 +133,7 @@ def start(config_path, foreground, wait_s, **flags):
         click.echo("stopped what a dead supervisor left running: " + ", ".join(orphans), err=True)
     paths.private_umask()  # the log file and dirs made here, and the supervisor it starts
     if foreground:
-        from .supervisor import main as sup_main
-
-        sys.exit(sup_main(["--config-json", cfg.to_json()]))
+        _run_foreground(cfg)
     log_dir = paths.private_dir(cfg.log_path())
     log = open(log_dir / "dflashd.log", "ab")
     os.fchmod(log.fileno(), 0o600)  # one an older version made 0644
@@ -114,20 +142,36 @@ def start(config_path, foreground, wait_s, **flags):
         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     st = _wait_ready(proc, cfg, wait_s, log_dir / "dflashd.log")
+    cache_error = _cache_failure(cfg, proc.pid)
     click.echo(f"dflashd started (supervisor {proc.pid}, worker {st['pid']}) at {cfg.resolved_endpoint()}; {st['accel']}")
     from dflash.client.cli import store_notes
 
     for note in store_notes(st):
         click.echo("warning: " + note, err=True)
+    if cache_error:  # the daemon still serves, with L1 only
+        click.echo(f"warning: the cache process (L2) stopped: {cache_error}; serving from L1 only", err=True)
+
+
+def _run_foreground(cfg: DaemonConfig) -> NoReturn:
+    """Run the supervisor attached (systemd, launchd) and exit with its code. A model that fails to
+    load ends it with 2 and the reason (exit_on_load_failure), so the service manager shows a
+    failure instead of a daemon idling in the "failed" state."""
+    rc, reason = supervisor.run_attached(dataclasses.replace(cfg, exit_on_load_failure=True))
+    if rc and reason:
+        click.echo(f"dflashd: {reason}", err=True)
+    sys.exit(rc)
 
 
 def _wait_ready(proc: subprocess.Popen, cfg: DaemonConfig, wait_s: float, log_file: Path) -> dict:
     """The worker's stats once its model is loaded. A start that failed stops the daemon it
     started first, so the next `dflashd start` does not find it "already running"."""
+    started = time.time()
     end = time.monotonic() + wait_s
     while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise click.ClickException(f"dflashd exited with {proc.returncode}; see {log_file}")
+        if proc.poll() is not None:  # e.g. the worker exited 2 (exit_on_load_failure set in the config)
+            reason = supervisor.read_exit_reason(supervisor.reason_path(cfg.runtime_path(), "worker"), since=started)
+            raise click.ClickException(f"dflashd exited with {proc.returncode}" + (f": {reason}" if reason else "")
+                                       + f"; see {log_file}")
         crashes = _worker_restarts(cfg, proc.pid)
         if crashes >= 2:
             _stop_started(proc, cfg)
@@ -209,7 +253,9 @@ def status(config_path, as_json, **flags):
     cfg = _resolve(config_path, **flags)
     st = _stats(cfg, 2.0)
     sup = _supervisor_pid(cfg)
-    info = {"endpoint": cfg.resolved_endpoint(), "supervisor_pid": sup, "worker": st}
+    l2_down = bool(st and (st.get("cache") or {}).get("enabled") and not st["cache"].get("l2_up"))
+    cache_error = _child_error(cfg, sup, "cache") if l2_down else None  # why the cache process stopped
+    info = {"endpoint": cfg.resolved_endpoint(), "supervisor_pid": sup, "worker": st, "cache_error": cache_error}
     if as_json:
         click.echo(json.dumps(info, indent=2))
     elif st is None:
@@ -228,7 +274,10 @@ def status(config_path, as_json, **flags):
                    f" {st.get('held', 0)} held (streamed jobs whose client left: `dflash-client result ID` runs one)")
         click.echo(f"  jobs: {st['jobs_done']} done, {st['jobs_failed']} failed, {st['jobs_cancelled']} cancelled;"
                    f" {st['tokens_generated']} tokens; {st['bad_frames']} bad frames")
-        for line in cache_lines(st.get("cache")):
+        lines = cache_lines(st.get("cache"))
+        if cache_error:
+            lines[0] += f"; stopped: {cache_error}"
+        for line in lines:
             click.echo("  " + _one_line(line))
     if st is None:
         sys.exit(3)

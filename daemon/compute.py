@@ -44,6 +44,9 @@ class Compute:
     # ------------------------------------------------------------------ thread body
     def run(self) -> None:
         self._load()
+        if self.load_error is not None and self.cfg.exit_on_load_failure:
+            self.wake()  # the worker exits 2 (Worker.serve); queued jobs stay stored for a next start
+            return
         while True:
             job = self.jobs.pop(timeout=None)
             if job is None:  # queue closed: shutting down

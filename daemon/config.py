@@ -77,6 +77,9 @@ class DaemonConfig:
     blas: str = "auto"  # auto | mkl | none
     restart_backoff_s: float = 0.5
     restart_backoff_max_s: float = 30.0
+    # a model that fails to load makes the worker exit 2 (and the supervisor stop) instead of
+    # staying up in the "failed" state: what a service manager needs to see the failure
+    exit_on_load_failure: bool = False
 
     def window(self) -> str | int:
         """The verify window as a job carries it: "auto", "full" or a token count."""

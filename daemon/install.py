@@ -98,12 +98,15 @@ def install_agents(cfg: DaemonConfig, dest: Path | None = None, *, load: bool = 
     """Write (and unless load=False, bootstrap/enable) the agents; returns lines to print."""
     if not cfg.model:
         raise ValueError("no model configured: the installed worker needs `model`")
-    cfg = _pinned(cfg)
+    kind = ("launchd" if sys.platform == "darwin" else "systemd") if kind == "auto" else kind
+    # A model that fails to load: the unit's supervisor exits 2, which systemd shows as a failure
+    # and (RestartPreventExitStatus) does not restart; launchd's KeepAlive would reload it every
+    # ThrottleInterval instead, so its worker stays up in "failed" (dflashd status says why).
+    cfg = dataclasses.replace(_pinned(cfg), exit_on_load_failure=cfg.exit_on_load_failure or kind == "systemd")
     paths.private_dir(cfg.state_path())
     paths.private_dir(cfg.log_path())
     config_file = cfg.state_path() / "daemon.json"
     _write_private(config_file, cfg.to_json().encode())
-    kind = ("launchd" if sys.platform == "darwin" else "systemd") if kind == "auto" else kind
     lines = [f"config: {config_file}"]
     if kind == "launchd":
         dest = dest or Path.home() / "Library" / "LaunchAgents"

@@ -5,6 +5,11 @@ as `python -m dflash.cache.l2 --dir ... --endpoint ...`, restarts one that dies 
 backoff (reset once a child has stayed up for a minute), and stops when the worker exits 0 (a
 requested shutdown) or a child reports a configuration error (2, 3: restarting won't help; a
 cache process that cannot start leaves the worker serving with L1 only).
+A child that exits on an error it can name (a bad config, an unusable cache_dir, a model that
+failed to load under `exit_on_load_failure`) logs it and writes it, one line, to the file named
+in $DFLASH_EXIT_REASON_FILE (`<runtime dir>/<child>.exit-reason`, `write_exit_reason`); the
+supervisor keeps it as the child's `last_error` in supervisor.json, for `dflashd start` and
+`dflashd status` to show, until a later start of that child has stayed up SETTLED_S.
 SIGTERM/SIGINT only set a flag; the loop forwards SIGTERM to the children and waits for them.
 `dflashd start` runs this detached; `dflashd start --foreground` (launchd/systemd) attached.
 
@@ -36,6 +41,8 @@ from .config import DaemonConfig
 log = logging.getLogger("dflash.supervisor")
 FATAL_CODES = (2, 3)  # bad config, another worker (or supervisor) running
 STABLE_S = 60.0
+SETTLED_S = 5.0  # a child up this long got past its start-up checks: its predecessor's reason is stale
+REASON_ENV = "DFLASH_EXIT_REASON_FILE"
 LOCK, PID_FILE, STATE_FILE = "supervisor.lock", "supervisor.pid", "supervisor.json"
 
 
@@ -50,6 +57,7 @@ class Child:
     next_start: float = 0.0
     done: bool = False
     last_rc: int | None = None
+    last_error: str | None = None  # the reason the last run gave for exiting (write_exit_reason)
     extra_env: dict = field(default_factory=dict)
     args: list[str] = field(default_factory=list)
     lock: Path | None = None  # the file the child holds locked while it runs
@@ -73,8 +81,10 @@ class Supervisor:
         self._lifeline = -1  # read end of the pipe each child gets as stdin (lifeline.py)
 
     def _spawn(self, child: Child) -> None:
+        reason = reason_path(self.run_dir, child.name)
+        reason.unlink(missing_ok=True)  # whatever is there after this run is this run's
         env = dict(os.environ, DFLASH_WORKER_RESTARTS=str(child.restarts), **child.extra_env,
-                   **{lifeline.ENV: str(os.getpid())})
+                   **{lifeline.ENV: str(os.getpid()), REASON_ENV: str(reason)})
         cmd = [sys.executable, "-m", "dflash.daemon.lifeline", child.module, *child.args]
         child.proc = subprocess.Popen(cmd, env=env, stdin=self._lifeline)
         child.started_at = time.monotonic()
@@ -85,7 +95,8 @@ class Supervisor:
         state = {
             "supervisor_pid": os.getpid(),
             "children": {
-                c.name: {"pid": c.proc.pid if c.proc else None, "restarts": c.restarts, "last_rc": c.last_rc}
+                c.name: {"pid": c.proc.pid if c.proc else None, "restarts": c.restarts, "last_rc": c.last_rc,
+                         "last_error": c.last_error}
                 for c in self.children
             },
         }
@@ -98,9 +109,11 @@ class Supervisor:
         if child.proc is None or rc is None:
             return
         child.last_rc, child.proc = rc, None
+        child.last_error = read_exit_reason(reason_path(self.run_dir, child.name))  # the child logged it
         if rc in FATAL_CODES or (rc == 0 and child.name == "worker"):
             log.info("%s exited with %d; not restarting", child.name, rc)
             child.done = True
+            self._write_state()
             if child.name == "worker":
                 self.stop.set()  # a requested shutdown (or a fatal config) ends the daemon
             return
@@ -111,6 +124,12 @@ class Supervisor:
         child.next_start = time.monotonic() + delay
         log.warning("%s died (rc %d) after %.1fs; restarting in %.1fs", child.name, rc, uptime, delay)
         self._write_state()
+
+    def _settle(self, child: Child) -> None:
+        """Forget the reason a child's last run gave once its new run has stayed up."""
+        if child.last_error and child.proc is not None and time.monotonic() - child.started_at >= SETTLED_S:
+            child.last_error = None
+            self._write_state()
 
     def run(self) -> int:
         lock = _take_lock(self.run_dir / LOCK)
@@ -125,6 +144,7 @@ class Supervisor:
             while not self.stop.is_set():
                 for child in self.children:
                     self._reap(child)
+                    self._settle(child)
                     if not child.done and child.proc is None and time.monotonic() >= child.next_start:
                         self._spawn(child)
                 self.stop.wait(0.1)
@@ -151,6 +171,33 @@ class Supervisor:
                 c.proc.kill()
                 c.proc.wait()
             c.last_rc = c.proc.returncode
+
+
+def reason_path(run_dir: Path, name: str) -> Path:
+    """Where the child `name` leaves the reason it exited for (see the module docstring)."""
+    return run_dir / f"{name}.exit-reason"
+
+
+def write_exit_reason(reason: str) -> None:
+    """In a supervised child about to exit on an error a restart won't fix (or must wait out):
+    leave the reason, one line, for the supervisor to record and the user to see."""
+    path = os.environ.get(REASON_ENV)
+    if not path:
+        return  # not started by a supervisor (a launchd agent, a shell): the log has it
+    try:
+        Path(path).write_text(" ".join(reason.split()) + "\n")
+    except OSError:
+        pass
+
+
+def read_exit_reason(path: Path, since: float = 0.0) -> str | None:
+    """The reason left in `path` (None when there is none, or it was written before `since`)."""
+    try:
+        if path.stat().st_mtime < since:
+            return None
+        return path.read_text(errors="replace").strip() or None
+    except OSError:
+        return None
 
 
 def _take_lock(path: Path, wait_s: float = 2.0):
@@ -246,16 +293,23 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+def run_attached(cfg: DaemonConfig) -> tuple[int, str | None]:
+    """Run a supervisor in this process until it stops: its exit code and, when a fatal exit of
+    the worker ended it, the worker's reason (`dflashd start --foreground` prints it)."""
+    paths.private_umask()  # its files, and (inherited) its children's
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor[%(process)d] %(levelname)s %(message)s")
+    sup = Supervisor(cfg)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: sup.stop.set())
+    rc = sup.run()
+    return rc, sup.children[0].last_error if rc else None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dflash.daemon.supervisor")
     ap.add_argument("--config-json", required=True)
     args = ap.parse_args(argv)
-    paths.private_umask()  # its files, and (inherited) its children's
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor[%(process)d] %(levelname)s %(message)s")
-    sup = Supervisor(DaemonConfig.from_json(args.config_json))
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: sup.stop.set())
-    return sup.run()
+    return run_attached(DaemonConfig.from_json(args.config_json))[0]
 
 
 if __name__ == "__main__":

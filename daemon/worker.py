@@ -13,8 +13,11 @@ as `client.job(id).result()` and `dflash-client result ID` do), dropped unasked 
 `result_retention_s`. Jobs no one wants thus never block the queue.
 
 Run as `python -m dflash.daemon.worker --config-json JSON` (the supervisor does this) or
-`--config FILE` (launchd). Exit codes: 0 shutdown requested, 2 bad configuration, 3 another
-worker holds the lock; anything else is a crash and the supervisor restarts it.
+`--config FILE` (launchd). Exit codes: 0 shutdown requested, 2 bad configuration (or, with
+`exit_on_load_failure`, a model that failed to load: a service manager then sees the failure
+instead of a worker idling in "failed"), 3 another worker holds the lock; anything else is a
+crash and the supervisor restarts it. Exits 2 and 3 leave their reason for the supervisor
+(supervisor.write_exit_reason).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from . import caching, codec, lifeline, paths
 from . import protocol as P
 from .compute import Compute
 from .config import DaemonConfig, load_config
+from .supervisor import write_exit_reason
 from .queue import Job, JobQueue
 from .store import JobStore
 
@@ -63,6 +67,7 @@ class Worker:
         self.watchers: dict[str, tuple[bytes, int]] = {}  # job id -> (connection, submit rid)
         self.held: dict[str, Job] = {}  # recovered streamed jobs that wait to be asked for
         self.stop = threading.Event()
+        self.exit_code = 0
         self.started = time.time()
         self.counters = {"frames": 0, "bad_frames": 0, "dropped_replies": 0, "clients_gone": 0, "recovered": 0, "failed_on_recovery": 0}
         self._wake_local = threading.local()
@@ -145,6 +150,8 @@ class Worker:
             if time.monotonic() >= next_beat:
                 self._heartbeat(router)
                 next_beat = time.monotonic() + self.cfg.heartbeat_s
+            if self.cfg.exit_on_load_failure and self.compute.load_error:
+                self._exit_on_load_failure()
         log.info("shutting down")
         self.jobs.close()
         thread.join(timeout=30)
@@ -160,7 +167,16 @@ class Worker:
         if sock is not None:
             sock.unlink(missing_ok=True)
         log.info("stopped")
-        return 0
+        return self.exit_code
+
+    def _exit_on_load_failure(self) -> None:
+        """Stop with exit 2 and the reason: a service manager (systemd, launchd) then shows the
+        failure, rather than a worker that stays up answering every job with the load error."""
+        reason = f"the model failed to load: {self.compute.load_error}"
+        log.error("%s; exiting with 2 (exit_on_load_failure)", reason)
+        write_exit_reason(reason)
+        self.exit_code = 2
+        self.stop.set()
 
     def _recover(self) -> None:
         jobs, failed = self.store.recover(self.cfg.max_attempts)
@@ -532,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("no model configured (set model in the config file, DFLASH_MODEL or --model)")
     except (ValueError, OSError) as e:
         log.error("bad configuration: %s", e)
+        write_exit_reason(f"bad configuration: {e}")
         return 2
     accel.maybe_reexec(cfg.blas, module="dflash.daemon.worker")  # before anything imports MLX
     lifeline.hold()  # again after a re-exec (a no-op otherwise): end with the supervisor
@@ -541,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         log.error("another worker is running for %s", run_dir)
+        write_exit_reason(f"another worker is running for {run_dir}")
         return 3
     worker = Worker(cfg)
     for sig in (signal.SIGTERM, signal.SIGINT):

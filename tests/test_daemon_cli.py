@@ -19,6 +19,7 @@ from daemon_fixtures import PROMPTS, make_daemon, tiny_pair, wait_until  # noqa:
 
 from dflash.client import DFlashClient
 from dflash.daemon.cli import main as dflashd
+from dflash.daemon.config import DaemonConfig
 from dflash.daemon.supervisor import lock_held
 
 
@@ -199,11 +200,13 @@ def test_serve_stops_the_daemon_whose_model_failed_to_load(dirs, tmp_path):
 
 
 def test_status_text_says_why_the_model_failed(dirs, tmp_path):
-    """A daemon left in the failed state (a supervisor run in the foreground, as systemd does)."""
+    """A daemon left in the failed state (a supervisor without exit_on_load_failure, which
+    `dflashd start --foreground` sets: tests/test_start_failures.py)."""
     flags, d = dirs
     missing = str(tmp_path / "missing")
-    proc = subprocess.Popen([sys.executable, "-m", "dflash.daemon.cli", "start", "--foreground", "--model", missing,
-                             "--draft", missing, *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cfg = DaemonConfig(model=missing, draft=missing, runtime_dir=str(d / "run"), state_dir=str(d / "state"))
+    proc = subprocess.Popen([sys.executable, "-m", "dflash.daemon.supervisor", "--config-json", cfg.to_json()],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         def failed() -> bool:
             out = _dflashd("status", "--json", *flags)
