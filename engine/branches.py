@@ -14,9 +14,12 @@ tokens are exactly the target's greedy ones: the output never depends on R, only
 a cycle produces (in bf16 on a GPU a batched pass rounds differently from a one-row pass, so
 near-ties may part elsewhere: on the H200 chat benchmark the second question parts from mlx-lm
 at token 19 with 4 or 8 rows, at 32 with one row; in fp32 the ids are mlx-lm's,
-tests/test_branches.py). Greedy only (sampled cycles verify one row: speculative sampling over
-several drafts needs a different acceptance rule), model drafts only (a copy proposal has no
-second choice), and full-attention KV caches only (rollback.rows_supported).
+tests/test_branches.py). Sampled cycles verify one row unless DFLASH_SAMPLED_ROWS=1: then row 0
+is a block drawn from the draft's q and each other row one more independent draw at one position
+(`sampled_rows`, positions from q alone: `alternate_positions`), accepted by multi-candidate
+speculative sampling (sampling.accept_rows), exact (tests/test_sampling_rows.py); opt-in until
+a GPU measures what it buys. Model drafts only (a copy proposal has no second choice), and
+full-attention KV caches only (rollback.rows_supported).
 
 What it buys, measured offline on 48 held-out prompts (the bundled SmolLM2 draft, CPU fp32,
 128 tokens; every anchor's draft scored, cycles replayed against the target's greedy text):
@@ -62,6 +65,8 @@ import os
 import mlx.core as mx
 
 from . import fewq, verifyattn
+from .accel import env_switch
+from .sampling import draw
 
 ENV = "DFLASH_BRANCHES"
 MAX_ROWS = 8
@@ -159,3 +164,44 @@ def rows_from_logits(logits: mx.array, rows: int) -> mx.array:
     subs = top[pos, rank]  # [rows - 1]
     others = mx.where(mx.arange(n)[None, :] == pos[:, None], subs[:, None], base[None, :])
     return mx.concatenate([base[None], others]).astype(mx.int32)
+
+
+# --- several rows under sampling (opt-in) ---------------------------------------------------------
+SAMPLED_ENV = "DFLASH_SAMPLED_ROWS"
+
+
+def sampled_rows_on() -> bool:
+    """Whether sampled cycles verify several rows too (DFLASH_SAMPLED_ROWS=1; off by default
+    until measured on a GPU): row 0 drawn from the draft's q, each other row one more
+    independent draw at one position, accepted by sampling.accept_rows, exact."""
+    return env_switch(SAMPLED_ENV, False)
+
+
+def alternate_positions(q: mx.array, rows: int) -> mx.array:
+    """Where rows 1..rows-1 of a sampled block take their extra draw ([rows-1] positions, in
+    trial order), from q [n, V] alone: the draws must not choose where candidates go, or the
+    acceptance would no longer be exact. The same score as the greedy rows with q's top
+    probability m_j standing in for a kept draft: the c-th extra draw at j scores
+    log P(kept before j) + c log(1 - m_j), the draft's estimate that it is reached and needed."""
+    n = q.shape[0]
+    top = mx.max(q.astype(mx.float32), axis=-1)
+    log_top = mx.log(mx.maximum(top, 1e-9))
+    before = mx.cumsum(log_top) - log_top
+    miss = mx.log(mx.maximum(1.0 - top, 1e-9))
+    extra = rows - 1
+    score = (before[:, None] + miss[:, None] * mx.arange(1, extra + 1)[None, :]).reshape(-1)
+    pick = mx.argpartition(-score, extra - 1)[:extra] if extra < n * extra else mx.arange(n * extra)
+    return mx.sort(pick // extra).astype(mx.int32)
+
+
+def sampled_rows(q: mx.array, rows: int, key: mx.array) -> mx.array:
+    """Draft ids [rows, n] drawn from q [n, V]: row 0 one draw per position, row r >= 1 row 0
+    with position alternate_positions(q)[r-1] drawn again, independently."""
+    spine_key, extra_key = mx.random.split(key)
+    spine = draw(q, spine_key)
+    if rows == 1:
+        return spine[None]
+    at = alternate_positions(q, rows)
+    extra = draw(q[at], extra_key)
+    others = mx.where(mx.arange(q.shape[0])[None, :] == at[:, None], extra[:, None], spine[None, :])
+    return mx.concatenate([spine[None], others])

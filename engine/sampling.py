@@ -173,3 +173,73 @@ def accept(
     slots = mx.concatenate([drafts, new[..., None]], axis=-1)
     tokens = mx.where(mx.arange(k + 1) < accepted[..., None], slots, new[..., None])
     return accepted.astype(mx.int32), tokens
+
+
+def accept_rows(
+    p: mx.array, drafts: mx.array, q: mx.array, alternates: mx.array, key: mx.array
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Speculative sampling over R rows of one block: (accepted count, the k+1 emitted-token
+    slots, the row they come from).
+
+    Row 0 is the block drawn from q; row r >= 1 is row 0 with position alternates[r-1] replaced
+    by another, independent draw from q there (engine/branches.py `sampled_rows`). q is one
+    block-parallel distribution per position (it does not depend on the drafts before it, as a
+    DFlash draft's does not), so the rows make a tree: row 0 a chain, each other row one more
+    candidate at one of its nodes. Acceptance walks it as multi-candidate speculative sampling
+    does (SpecInfer's): at a node, candidates are tried in row order, each kept with probability
+    min(1, p'(x) / q(x)), p' the target's p there less what the rejected candidates took
+    (p' <- normalise(max(0, p' - q)) after each rejection); the first kept one's row goes on as
+    a plain chain, and when every candidate of the node is rejected, the token is a draw from
+    the last p'. Exact for candidates drawn independently from q in a number and order fixed
+    before the draws (the alternates' positions depend on q only): each rejection leaves
+    exactly p's missing mass in p', as the one-candidate rule does.
+
+    Only the node where row 0 is first rejected can try alternates (at the nodes before it row
+    0's own draft is kept first; those after it are not reached), so the walk is: row 0's chain,
+    its alternates at the rejection, then the chosen row's chain. A position's uniform decides
+    whichever row's draft the walk meets there, once: no decision on the walk's path reuses one.
+
+    p: (..., R, k+1, V) the target's probs in each row after the anchor and each draft; drafts:
+    (..., R, k) ids; q: (..., k, V); alternates: (..., R-1) positions in 0..k-1.
+    """
+    rows, k = drafts.shape[-2], drafts.shape[-1]
+    lead = drafts.shape[:-2]
+    drafts = drafts.astype(mx.int32)
+    key_u, key_a, key_r = mx.random.split(key, 3)
+    q_rows = mx.broadcast_to(mx.expand_dims(q, -3), (*lead, rows, k, q.shape[-1]))
+    idx = drafts[..., None]
+    p_x = mx.take_along_axis(p[..., :k, :], idx, axis=-1)[..., 0]
+    q_x = mx.take_along_axis(q_rows, idx, axis=-1)[..., 0]
+    u = mx.random.uniform(shape=(*lead, 1, k), key=key_u)
+    kept = (u * q_x < p_x).astype(mx.int32)  # [..., R, k]: each row's draft kept where met
+    first = mx.cumprod(kept[..., 0, :], axis=-1).sum(axis=-1)  # row 0's accepted run
+    rejected = first < k
+    at = mx.minimum(first, k - 1)[..., None, None]
+    q_j = mx.take_along_axis(q, at, axis=-2)[..., 0, :]
+    left = residual(mx.take_along_axis(p[..., 0, :, :], at, axis=-2)[..., 0, :], q_j)
+    found = mx.zeros(first.shape, mx.bool_)
+    row = mx.zeros(first.shape, mx.int32)
+    u_alt = mx.random.uniform(shape=(*lead, max(rows - 1, 1)), key=key_a)
+    for r in range(1, rows):
+        pos = alternates[..., r - 1]
+        x = mx.take_along_axis(drafts[..., r, :], pos[..., None], axis=-1)  # [..., 1]
+        tried = rejected & (pos == first) & ~found
+        keep = u_alt[..., r - 1] * mx.take_along_axis(q_j, x, axis=-1)[..., 0] < \
+            mx.take_along_axis(left, x, axis=-1)[..., 0]
+        row = mx.where(tried & keep, r, row)
+        found = found | (tried & keep)
+        left = mx.where((tried & ~keep)[..., None], residual(left, q_j), left)
+    kept_row = mx.take_along_axis(kept, row[..., None, None], axis=-2)[..., 0, :]
+    past = mx.arange(k) > first[..., None]
+    run = mx.cumprod(mx.where(past, kept_row, 1), axis=-1).sum(axis=-1)  # first + 1 + kept after it
+    accepted = mx.where(found, run, first)
+    p_row = mx.take_along_axis(p, row[..., None, None, None], axis=-3)[..., 0, :, :]
+    p_n = mx.take_along_axis(p_row, accepted[..., None, None], axis=-2)[..., 0, :]
+    q_n = mx.take_along_axis(q, mx.minimum(accepted, k - 1)[..., None, None], axis=-2)[..., 0, :]
+    q_n = q_n * (accepted < k)[..., None].astype(q_n.dtype)  # none after the last draft: p itself
+    nxt = mx.where((rejected & ~found)[..., None], left, residual(p_n, q_n))
+    new = draw(nxt, key_r)
+    chosen = mx.take_along_axis(drafts, row[..., None, None], axis=-2)[..., 0, :]
+    slots = mx.concatenate([chosen, new[..., None]], axis=-1)
+    tokens = mx.where(mx.arange(k + 1) < accepted[..., None], slots, new[..., None])
+    return accepted.astype(mx.int32), tokens, row

@@ -164,7 +164,6 @@ def simulate(t: mx.array, q: mx.array | None, ids_only: bool, seed: int) -> np.n
     anchor = mx.zeros((CHAINS,), mx.int32)
     out = np.full((CHAINS, DEPTH), -1, np.int64)
     length = np.zeros(CHAINS, np.int64)
-    rows = np.arange(CHAINS)
     while (length < DEPTH).any():
         prev, drafts, qs = anchor, [], []
         for _ in range(BLOCK_DRAFTS):
@@ -179,13 +178,20 @@ def simulate(t: mx.array, q: mx.array | None, ids_only: bool, seed: int) -> np.n
         d = mx.stack(drafts, axis=1)
         p = mx.stack([t[anchor]] + [t[x] for x in drafts], axis=1)
         acc, toks = sampling.accept(p, d, None if ids_only else mx.stack(qs, axis=1), keys.next())
-        acc, toks = np.array(acc), np.array(toks)
-        for j in range(BLOCK_DRAFTS + 1):
-            sel = (j <= acc) & (length + j < DEPTH)
-            out[rows[sel], length[sel] + j] = toks[sel, j]
-        anchor = mx.array(toks[rows, acc])
-        length += acc + 1
+        anchor = advance(out, length, acc, toks)
     return out
+
+
+def advance(out: np.ndarray, length: np.ndarray, acc: mx.array, toks: mx.array) -> mx.array:
+    """Write each chain's emitted tokens (up to DEPTH; `length` grows in place) and return the
+    next cycle's anchors."""
+    acc, toks = np.array(acc), np.array(toks)
+    chains = np.arange(len(acc))
+    for j in range(toks.shape[1]):
+        sel = (j <= acc) & (length + j < DEPTH)
+        out[chains[sel], length[sel] + j] = toks[sel, j]
+    length += acc + 1
+    return mx.array(toks[chains, acc])
 
 
 def markov_exact(t: mx.array) -> dict[tuple, float]:
