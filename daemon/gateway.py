@@ -35,17 +35,23 @@ from .config import DaemonConfig, is_loopback
 from .gateway_metrics import GatewayMetrics
 
 log = logging.getLogger("dflash.gateway")
+# Seconds a stopping gateway lets generations in flight run on before it cancels them (and their
+# jobs) and answers them 503 shutting_down; aiohttp's own 60 s (twice over) kept `dflash serve`
+# streaming for minutes after a Ctrl-C, then cut the connections without a word.
+SHUTDOWN_GRACE_S = 1.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Daemon error code -> (HTTP status, OpenAI error type).
 _STATUS = {
-    P.BAD_REQUEST: (400, "invalid_request_error"), P.TOO_LARGE: (400, "invalid_request_error"),
+    P.BAD_REQUEST: (400, "invalid_request_error"), P.TOO_LARGE: (413, "invalid_request_error"),
     P.BAD_FRAME: (400, "invalid_request_error"), P.BAD_SAMPLING: (400, "invalid_request_error"),
     P.NOT_FOUND: (404, "not_found_error"), P.BAD_VERSION: (502, "server_error"),
     P.BUSY: (429, "rate_limit_error"), P.NOT_READY: (503, "server_error"),
     P.SHUTTING_DOWN: (503, "server_error"), "unavailable": (503, "server_error"),
     "worker_gone": (503, "server_error"),
 }
+# Daemon codes whose message is about one field of the request: the answer names it in `param`.
+_FIELD_CODES = {P.BAD_REQUEST, P.BAD_SAMPLING, P.TOO_LARGE, P.BAD_POSITIONS}
 
 
 # Endpoints and filesystem paths in the daemon's messages (its socket, the model's files): the
@@ -60,12 +66,30 @@ def redact(message: str) -> str:
     return _PATH.sub("<path>", _ENDPOINT.sub("<endpoint>", message))
 
 
-def api_error_from(e: E.DFlashError) -> S.ApiError:
+def api_error_from(e: E.DFlashError, req: S.GenRequest | None = None) -> S.ApiError:
+    """A daemon error in OpenAI's shape; `req` (the request it answers) lets `param` name the
+    field as the request spelt it."""
     status, kind = _STATUS.get(e.code, (500, "server_error"))
     message = redact(e.message)
     if message != e.message:
         log.warning("daemon error %s answered as HTTP %d: %s", e.code, status, e.message)
-    return S.ApiError(status, message, kind, None, e.code)
+    param = S.request_param(e.message, req) if e.code in _FIELD_CODES else None
+    return S.ApiError(status, _explain(e, message, req), kind, param, e.code)
+
+
+def _explain(e: E.DFlashError, message: str, req: S.GenRequest | None) -> str:
+    """The daemon's message, with what an HTTP client cannot know: which of the daemon's limits it
+    ran into, and that a max_tokens it never sent came from this server's default."""
+    if e.code == P.TOO_LARGE:
+        return f"the request is too large for the daemon (its max_frame_bytes): {message}; send a shorter prompt"
+    if req is not None and req.max_tokens_param is None and S.wire_field(e.message) == "max_tokens":
+        return (f"{message}: the request set no max_tokens, and this server's --default-max-tokens is over the "
+                "daemon's max_tokens_limit; send max_tokens")
+    return message
+
+
+def _shutting_down() -> S.ApiError:
+    return S.ApiError(503, "the server is shutting down: retry the request", "server_error", code=P.SHUTTING_DOWN)
 
 
 def json_error(err: S.ApiError) -> web.Response:
@@ -93,6 +117,9 @@ class Gateway:
         self.model_name = model_name
         self.metrics = GatewayMetrics()
         self._models: tuple[float, list[dict]] | None = None
+        self.closing = False  # set when the server stops
+        self._inflight: set[asyncio.Task] = set()  # handlers running a generation
+        self._stopped: set[asyncio.Task] = set()  # those the stop cancelled (answered 503 shutting_down)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors, self._auth])
@@ -102,8 +129,34 @@ class Gateway:
         app.router.add_get("/v1/models/{model:.+}", self._get_model)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.on_shutdown.append(self._stopping)
         app.on_cleanup.append(self._close)
         return app
+
+    async def _stopping(self, _app: web.Application) -> None:
+        """Before aiohttp's own shutdown (which cancels handlers only once it has closed their
+        connections): give generations a moment, then cancel them here, while their clients can
+        still be told why and their jobs cancelled in the daemon."""
+        self.closing = True
+        if not self._inflight:
+            return
+        _, pending = await asyncio.wait(set(self._inflight), timeout=SHUTDOWN_GRACE_S)
+        for task in pending:
+            self._stopped.add(task)
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=5.0)
+
+    def _cancelled_by_stop(self) -> bool:
+        """Whether the CancelledError being handled is the stop's (then the request is answered,
+        not dropped); a client that left still just cancels."""
+        task = asyncio.current_task()
+        if task is None or task not in self._stopped:
+            return False
+        self._stopped.discard(task)
+        if hasattr(task, "uncancel"):  # 3.11+: the cancel is handled, not pending
+            task.uncancel()
+        return True
 
     async def _close(self, _app: web.Application) -> None:
         self.client.close()
@@ -127,6 +180,8 @@ class Gateway:
                 raise
             kind = "not_found_error" if e.status == 404 else "invalid_request_error"
             resp = json_error(S.ApiError(e.status, f"{e.reason}: {request.method} {request.path}", kind))
+            if "Allow" in e.headers:  # a 405 must say which methods the route takes (RFC 9110)
+                resp.headers["Allow"] = e.headers["Allow"]
         except (asyncio.CancelledError, ConnectionResetError):
             self.metrics.request(route, 499)  # the client went away
             raise
@@ -151,7 +206,12 @@ class Gateway:
     async def _body(self, request: web.Request) -> Any:
         if request.content_length is not None and request.content_length > self.max_body_bytes:
             raise web.HTTPRequestEntityTooLarge(max_size=self.max_body_bytes, actual_size=request.content_length)
-        raw = await request.read()
+        try:
+            raw = await request.read()
+        except web.RequestPayloadError:  # e.g. a gzip body that does not decompress: the client's error
+            encoding = request.headers.get("Content-Encoding")
+            how = f" (Content-Encoding: {encoding})" if encoding else ""
+            raise S.ApiError(400, f"could not read the request body{how}", code="invalid_body") from None
         try:
             body = json.loads(raw)
         except RecursionError:  # the parser recursed on deep nesting ([[[[...)
@@ -168,6 +228,20 @@ class Gateway:
         return await self._generate(request, "completion")
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        """One generation, known to the stop (see _stopping) while it runs."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._inflight.add(task)
+        try:
+            return await self._generation(request, kind)
+        except asyncio.CancelledError:  # a stream the stop cut has been answered in _sse
+            if self._cancelled_by_stop():
+                raise _shutting_down() from None
+            raise
+        finally:
+            self._inflight.discard(task)
+
+    async def _generation(self, request: web.Request, kind: str) -> web.StreamResponse:
         body = await self._body(request)
         parse = S.parse_chat if kind == "chat" else S.parse_completion
         req = parse(body, self.default_max_tokens)
@@ -185,15 +259,16 @@ class Gateway:
             kw["verify_window"] = req.verify_window
         events = self.client.stream(req.prompt, **kw)
         async with contextlib.aclosing(events):  # leaving early (disconnect, error) cancels the job
-            first = await anext(events)  # daemon errors up to here still get a proper status
-            ctx = (kind, rid, int(time.time()), model)
-            if req.stream:
-                return await self._sse(request, req, ctx, first, events, headers, job_id)
-            text: list[str] = []
-            ev = first
-            while not isinstance(ev, Result):
-                text.append(ev.text)
-                ev = await anext(events)
+            try:
+                first = await anext(events)  # daemon errors up to here still get a proper status
+                ctx = (kind, rid, int(time.time()), model)
+                if req.stream:
+                    return await self._sse(request, req, ctx, first, events, headers, job_id)
+                ev = first
+                while not isinstance(ev, Result):
+                    ev = await anext(events)
+            except E.DFlashError as e:
+                raise api_error_from(e, req) from None
             self.metrics.job(ev.stats, ev.finish_reason)
             return web.json_response(S.response(*ctx, ev.text, ev.finish_reason, ev.stats, job_id), headers=headers)
 
@@ -235,10 +310,16 @@ class Gateway:
                 await send(S.usage_chunk(*ctx, ev.stats, job_id))
             await send("[DONE]")
         except E.DFlashError as e:  # headers are gone: the error travels as an event
-            await send(api_error_from(e).body())
+            await send(api_error_from(e, req).body())
             await send("[DONE]")
         except ConnectionResetError:  # the client left: leaving here cancels the job
             return resp
+        except asyncio.CancelledError:  # the client left, or the gateway stops: its job is cancelled
+            if not self._cancelled_by_stop():
+                raise
+            with contextlib.suppress(ConnectionResetError):  # ends like a stream the daemon cut
+                await send(_shutting_down().body())
+                await send("[DONE]")
         await resp.write_eof()
         return resp
 
@@ -341,7 +422,7 @@ def check_port(host: str, port: int) -> None:
 async def run_gateway(gw: Gateway, host: str, port: int, on_ready: Callable[[str], None]) -> None:
     """Serve until SIGINT/SIGTERM. A client that disconnects cancels its handler (and so its job).
     A host:port it cannot listen on is a ClickException (one line), after cleaning up."""
-    runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
     try:
         try:
@@ -357,6 +438,18 @@ async def run_gateway(gw: Gateway, host: str, port: int, on_ready: Callable[[str
         await stop.wait()
     finally:
         await runner.cleanup()
+
+
+def default_max_tokens_for(value: int, given: bool, limit: int) -> int:
+    """The max_tokens for requests that set none. Over the daemon's max_tokens_limit every such
+    request would be refused, so the built-in default is lowered to the limit, and a value given
+    on the command line is a usage error."""
+    if value <= limit:
+        return value
+    if given:
+        raise click.BadParameter(f"{value} is over the daemon's max_tokens_limit ({limit}): every request "
+                                 "without max_tokens would be refused", param_hint="--default-max-tokens")
+    return limit
 
 
 def _daemon_options(f: Any) -> Any:
@@ -401,6 +494,8 @@ def serve_command(ctx, config_path, host, port, api_key, served_model_name, max_
     if problem is not None:
         raise click.BadParameter(problem[1], param_hint=f"--default-{problem[0].replace('_', '-')}")
     cfg = dcli._resolve(config_path, **flags)
+    given = ctx.get_parameter_source("default_max_tokens") is not click.core.ParameterSource.DEFAULT
+    default_max_tokens = default_max_tokens_for(default_max_tokens, given, cfg.max_tokens_limit)
     check_port(host, port)  # before a daemon is started for a gateway that could not listen
     started = False
     if dcli._stats(cfg, 1.0) is None:

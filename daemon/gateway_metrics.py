@@ -6,6 +6,7 @@ at scrape time, cover every client of the shared worker.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -13,6 +14,18 @@ from typing import Any
 
 _DAEMON_GAUGES = ("queued", "jobs_done", "jobs_failed", "jobs_cancelled", "tokens_generated", "restarts",
                   "clients_gone", "bad_frames", "uptime_s")
+
+
+def sample_value(v: float) -> str:
+    """A sample's value, exactly: `:g` kept 6 digits, so a counter past 999999 printed as
+    1.23457e+06 and stood still between scrapes. Infinities and NaN in Prometheus' spelling."""
+    if isinstance(v, int):
+        return str(int(v))  # int(): a bool is 0 or 1
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(float(v))
 
 
 @dataclass
@@ -82,7 +95,7 @@ class GatewayMetrics:
         def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
             out.append(f"# HELP dflash_{name} {help_}")
             out.append(f"# TYPE dflash_{name} {kind}")
-            out.extend(f"dflash_{name}{labels} {value:g}" for labels, value in samples)
+            out.extend(f"dflash_{name}{labels} {sample_value(value)}" for labels, value in samples)
 
         reqs = [(f'{{route="{r}",status="{st}"}}', c) for (r, st), c in sorted(self.requests.items())]
         metric("http_requests_total", "counter", "HTTP requests answered, by route and status.", reqs)

@@ -24,10 +24,23 @@ _UNAPPLIED: dict[str, Callable[[float], bool]] = {
     "frequency_penalty": lambda v: v != 0,
     "repetition_penalty": lambda v: v != 1,
 }
+# Their ranges (OpenAI's for the penalties, vLLM's for min_p and repetition_penalty): a value outside
+# is a 400 even though it is not applied, as it would be on those servers.
+_UNAPPLIED_RANGE: dict[str, tuple[Callable[[float], bool], str]] = {
+    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "repetition_penalty": (lambda v: v > 0, "> 0"),
+}
 # Accepted without effect (labels, or neutral values); the others are refused in _check_unsupported.
 _IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "tool_choice",
             "top_logprobs", "logit_bias", "logprobs", "n", "tools", "response_format", "echo", "best_of",
             "suffix", "functions", "function_call"}
+# The labels among them, with the JSON type each must have (OpenAI refuses another type too).
+_LABELS: dict[str, tuple[type, str]] = {"user": (str, "a string"), "metadata": (dict, "an object"),
+                                        "store": (bool, "a boolean"), "service_tier": (str, "a string"),
+                                        "parallel_tool_calls": (bool, "a boolean")}
+WIRE_INT_MAX = (1 << 64) - 1  # the largest integer the daemon's wire (msgpack) carries
 # dflash's own extra field (as top_k is vLLM's): the job's verify window, "auto", "full" or a token
 # count, 1 = plain decoding (protocol version 3); absent or null: the daemon's setting
 _EXTRA = {"verify_window"}
@@ -81,6 +94,7 @@ class GenRequest:
     seed: int | None = None
     unapplied: list[str] = field(default_factory=list)  # sampling fields asking for what is not applied
     verify_window: str | int | None = None  # the job's own window (None: the daemon's)
+    max_tokens_param: str | None = None  # the field that set max_tokens (None: the server's default)
 
     def sampling(self) -> dict[str, Any]:
         """The sampling fields the request set (absent ones are left out)."""
@@ -95,11 +109,13 @@ def parse_chat(body: Any, default_max_tokens: int) -> GenRequest:
     _check_fields(body, _CHAT_FIELDS)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
-        raise bad("'messages' must be a non-empty list", "messages", "missing_required_parameter" if msgs is None else "invalid_type")
+        code = "missing_required_parameter" if msgs is None else "invalid_value" if msgs == [] else "invalid_type"
+        raise bad("'messages' must be a non-empty list", "messages", code)
     req = _common(body, "chat", [_message(m, i) for i, m in enumerate(msgs)], raw=False)
     mt = body.get("max_completion_tokens")
     if mt is not None:
         req.max_tokens = _positive_int(mt, "max_completion_tokens")
+        req.max_tokens_param = "max_completion_tokens"
     elif body.get("max_tokens") is None:
         req.max_tokens = default_max_tokens
     req.template_args = _template_args(body.get("chat_template_kwargs"))
@@ -109,9 +125,6 @@ def parse_chat(body: Any, default_max_tokens: int) -> GenRequest:
 def parse_completion(body: Any, default_max_tokens: int) -> GenRequest:
     """A GenRequest from a /v1/completions body (the prompt is not templated)."""
     _check_fields(body, _COMPLETION_FIELDS)
-    for name, ok in (("echo", lambda v: not v), ("suffix", lambda v: v is None), ("best_of", lambda v: v in (None, 1))):
-        if not ok(body.get(name)):
-            raise bad(f"'{name}' is not supported by this server", name, "unsupported_parameter")
     req = _common(body, "completion", _completion_prompt(body.get("prompt")), raw=True)
     if body.get("max_tokens") is None:
         req.max_tokens = default_max_tokens
@@ -162,6 +175,8 @@ def _common(body: dict, kind: str, prompt: Any, raw: bool) -> GenRequest:
                      bool((opts or {}).get("include_usage")), model)
     if body.get("max_tokens") is not None:
         req.max_tokens = _positive_int(body["max_tokens"], "max_tokens")
+        req.max_tokens_param = "max_tokens"
+    _check_labels(body)
     _check_unsupported(body)
     _sampling(body, req)
     req.unapplied = _unapplied(body)
@@ -172,14 +187,43 @@ def _common(body: dict, kind: str, prompt: Any, raw: bool) -> GenRequest:
     return req
 
 
+def _check_labels(body: dict) -> None:
+    """Fields accepted without effect still have OpenAI's types: another type is a mistake to report."""
+    for name, (kind, what) in _LABELS.items():
+        v = body.get(name)
+        if v is not None and (not isinstance(v, kind) or (kind is str and isinstance(v, bool))):
+            raise bad(f"'{name}' must be {what}", name, "invalid_type")
+
+
+def _check_count(body: dict, name: str, hint: str) -> None:
+    """n / best_of: an integer >= 1, and only 1 is served (one choice per request)."""
+    v = body.get(name)
+    if v is None:
+        return
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)  # 1.0 was always taken
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad(f"'{name}' must be an integer", name, "invalid_type")
+    if v < 1:
+        raise bad(f"'{name}' must be >= 1, got {v}", name)
+    if v > 1:
+        raise bad(f"only {name}=1 is supported: {hint}", name, "unsupported_parameter")
+
+
 def _check_unsupported(body: dict) -> None:
-    """Fields we accept only at values that need nothing the engine lacks."""
-    if body.get("n") not in (None, 1):
-        raise bad("only n=1 is supported: send one request per choice (with different seeds)", "n", "unsupported_parameter")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise bad("logprobs are not supported by this server", "logprobs", "unsupported_parameter")
-    if body.get("tools") or body.get("functions") or body.get("function_call") not in (None, "none"):
-        raise bad("tools and function calling are not supported by this server", "tools", "unsupported_parameter")
+    """Fields we accept only at values that need nothing the engine lacks; `param` names the field
+    that asked, so a client can tell which one to drop."""
+    _check_count(body, "n", "send one request per choice (with different seeds)")
+    _check_count(body, "best_of", "send several requests (with different seeds) and pick one")
+    for name, ok in (("logprobs", lambda v: v in (None, False, 0)), ("top_logprobs", lambda v: v in (None, 0)),
+                     ("echo", lambda v: v in (None, False)), ("suffix", lambda v: v is None)):
+        if not ok(body.get(name)):
+            what = "logprobs are" if name.endswith("logprobs") else f"'{name}' is"
+            raise bad(f"{what} not supported by this server", name, "unsupported_parameter")
+    for name, ok in (("tools", lambda v: not v), ("functions", lambda v: not v),
+                     ("function_call", lambda v: v in (None, "none"))):
+        if not ok(body.get(name)):
+            raise bad("tools and function calling are not supported by this server", name, "unsupported_parameter")
     if body.get("tool_choice") not in (None, "none", "auto"):
         raise bad("tool_choice is not supported by this server", "tool_choice", "unsupported_parameter")
     fmt = body.get("response_format")
@@ -201,6 +245,8 @@ def _sampling(body: dict, req: GenRequest) -> None:
                 raise bad(f"'{name}' must be an integer", name, "invalid_type")
             if name == "top_k" and v == -1:
                 v = 0
+            if name == "top_k" and v > WIRE_INT_MAX:  # sampling_problem bounds seed; the wire bounds top_k
+                raise bad(f"top_k must be an integer in 0..2^64-1 (0 = off), got {v}", name)
         elif isinstance(v, bool) or not isinstance(v, (int, float)):
             raise bad(f"'{name}' must be a number", name, "invalid_type")
         setattr(req, name, float(v) if name in ("temperature", "top_p") else v)
@@ -221,19 +267,30 @@ def _unapplied(body: dict) -> list[str]:
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise bad(f"'{name}' must be a number", name, "invalid_type")
+        in_range, where = _UNAPPLIED_RANGE[name]
+        if not in_range(v):  # NaN fails every comparison, so it lands here too
+            raise bad(f"{name} must be {where}, got {v!r}", name)
         if differs(v):
             out.append(name)
     lb = body.get("logit_bias")
-    if lb is not None and not isinstance(lb, dict):
-        raise bad("'logit_bias' must be an object", "logit_bias", "invalid_type")
+    if lb is not None and not (isinstance(lb, dict) and all(_number(v) for v in lb.values())):
+        raise bad("'logit_bias' must be an object mapping token ids to numbers", "logit_bias", "invalid_type")
     if lb and any(v != 0 for v in lb.values()):
         out.append("logit_bias")
     return out
 
 
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _positive_int(v: Any, name: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise bad(f"'{name}' must be an integer >= 1", name)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad(f"'{name}' must be an integer", name, "invalid_type")
+    if v < 1:
+        raise bad(f"'{name}' must be an integer >= 1, got {v}", name)
+    if v > WIRE_INT_MAX:  # past anything the daemon can be sent (its max_tokens_limit is far lower)
+        raise bad(f"'{name}' is over the daemon's max_tokens_limit, got {v}", name)
     return v
 
 
@@ -276,6 +333,9 @@ def _completion_prompt(p: Any) -> str | list[int]:
             raise bad("'prompt' must not be empty", "prompt")
         return p
     if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        bad_id = next((t for t in p if not 0 <= t <= WIRE_INT_MAX), None)
+        if bad_id is not None:  # the daemon checks the vocabulary's bound; these cannot even be sent
+            raise bad(f"'prompt' token ids must be >= 0 and inside the vocabulary, got {bad_id}", "prompt")
         return p
     if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
         raise bad("batched prompts are not supported: send one prompt per request", "prompt", "unsupported_parameter")
@@ -292,6 +352,40 @@ def _template_args(v: Any) -> dict | None:
         if not _IDENT.fullmatch(k) or k in _RESERVED_TEMPLATE_ARGS:
             raise bad(f"chat_template_kwargs: {k!r} cannot be set", "chat_template_kwargs")
     return dict(v) or None
+
+
+# ----------------------------------------------------------------------------- daemon errors
+
+# The daemon's error reply has no `param`, but its messages name the field they are about: the
+# codec and type checks quote it ("field 'top_k' cannot be sent"), range checks start with it
+# ("max_tokens must be in 1..8192"), the prompt checks speak of the prompt, its token ids or
+# messages (or, over max_frame_bytes, of the frame the prompt made too big).
+_QUOTED_FIELD = re.compile(r"\bfield '(\w+)'")
+_LEADING_FIELD = re.compile(r"(max_tokens|temperature|top_p|top_k|seed|verify[_ ]window)\b")
+_PROMPT_WORDS = re.compile(r"\b(prompt|token ids?|messages?|frame of)\b", re.IGNORECASE)
+
+
+def wire_field(message: str) -> str | None:
+    """The submit field a daemon error message is about, when it names one."""
+    if m := _QUOTED_FIELD.search(message):
+        return m.group(1)
+    if m := _LEADING_FIELD.match(message):
+        return m.group(1).replace(" ", "_")
+    if "stop sequence" in message:
+        return "stop"
+    return "prompt" if _PROMPT_WORDS.search(message) else None
+
+
+def request_param(message: str, req: GenRequest | None) -> str | None:
+    """The request's own name for the field a daemon error message is about (OpenAI's `param`):
+    the prompt is `messages` in a chat, max_tokens is whichever field set it."""
+    wire = wire_field(message)
+    prompt = "messages" if req is not None and req.kind == "chat" else "prompt"
+    names = {"token_ids": prompt, "text": prompt, "messages": prompt, "system": prompt, "prompt": prompt,
+             "max_tokens": (req.max_tokens_param if req else None) or "max_tokens",
+             "template_args": "chat_template_kwargs", "stop": "stop", "verify_window": "verify_window",
+             **{k: k for k in SAMPLING}}
+    return names.get(wire) if wire else None
 
 
 # ----------------------------------------------------------------------------- responses

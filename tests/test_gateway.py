@@ -55,12 +55,13 @@ def daemon(pair):
 class Gateway:
     """A `dflash serve --attach` process; `url` once it prints that it listens."""
 
-    def __init__(self, daemon: Daemon, *args: str):
+    def __init__(self, daemon: Daemon, *args: str, env: dict | None = None):
         cmd = [sys.executable, "-m", "dflash.engine.cli", "serve", "--attach", "--port", "0",
                "--endpoint", daemon.endpoint, "--runtime-dir", daemon.cfg.runtime_dir,
                "--state-dir", daemon.cfg.state_dir, *args]
         self.err = open(daemon.dir / f"gateway-{time.monotonic_ns()}.log", "wb")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.err, cwd=ROOT)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.err, cwd=ROOT,
+                                     env={**os.environ, **(env or {})})
         end, line = time.monotonic() + 30, b""
         while time.monotonic() < end and b"listening on" not in line:
             assert self.proc.poll() is None, f"gateway exited {self.proc.returncode}"
@@ -86,6 +87,12 @@ class Gateway:
         finally:
             conn.close()
 
+    def __enter__(self) -> "Gateway":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -98,11 +105,8 @@ class Gateway:
 
 @pytest.fixture(scope="module")
 def gw(daemon):
-    g = Gateway(daemon, "--api-key", KEY, "--max-body-bytes", "65536", "--default-max-tokens", "16")
-    try:
+    with Gateway(daemon, "--api-key", KEY, "--max-body-bytes", "65536", "--default-max-tokens", "16") as g:
         yield g
-    finally:
-        g.stop()
 
 
 @pytest.fixture(scope="module")
@@ -339,7 +343,8 @@ def test_errors_in_openai_shape(gw):
         ("POST", "/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400,
          "unsupported_parameter", "messages[0]"),
         ("POST", "/v1/chat/completions", {"model": "gpt-9", "messages": MSGS}, 404, "model_not_found", "model"),
-        ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 10**6}, 400, "bad_request", None),  # the daemon's cap
+        ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 10**6}, 400, "bad_request",
+         "max_tokens"),  # over the daemon's max_tokens_limit: named like any other parameter
         ("POST", "/v1/completions", {"prompt": ["a", "b"]}, 400, "unsupported_parameter", "prompt"),
         ("POST", "/v1/completions", {"prompt": "  "}, 400, "invalid_value", "prompt"),
         ("GET", "/v1/chat/completions", None, 405, None, None),
@@ -350,6 +355,32 @@ def test_errors_in_openai_shape(gw):
         err = _error(status, raw)
         assert (status, err["code"], err["param"]) == (want_status, want_code, want_param), (path, body, err)
         assert headers["content-type"].startswith("application/json")
+
+
+def test_daemon_refusals_name_their_param(gw):
+    """What only the daemon can check (its max_tokens_limit, the vocabulary, the draft's block) and
+    what its wire cannot carry (integers past 64 bits) is a 400 whose `param` names the field as the
+    request spelt it, like every other parameter error; it was null."""
+    cases = [
+        ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 10**6}, "bad_request", "max_tokens"),
+        ("/v1/chat/completions", {"messages": MSGS, "max_completion_tokens": 10**6}, "bad_request",
+         "max_completion_tokens"),
+        ("/v1/completions", {"prompt": [10**6], "max_tokens": 2}, "bad_request", "prompt"),  # outside the vocabulary
+        ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 2, "verify_window": 99}, "bad_request",
+         "verify_window"),  # over the draft's block
+        ("/v1/completions", {"prompt": [-1], "max_tokens": 2}, "invalid_value", "prompt"),
+        ("/v1/completions", {"prompt": [2**70], "max_tokens": 2}, "invalid_value", "prompt"),
+        ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 2**70}, "invalid_value", "max_tokens"),
+        ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 2, "top_k": 2**70}, "invalid_value", "top_k"),
+        ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 2, "top_k": 1e30}, "invalid_value", "top_k"),
+    ]
+    for path, body, code, param in cases:
+        status, _, raw = gw.http("POST", path, body)
+        err = _error(status, raw)
+        assert (status, err["code"], err["param"]) == (400, code, param), (body, err)
+    with pytest.raises(openai.BadRequestError) as e:
+        gw.openai().completions.create(model="tiny-chat", prompt="x", max_tokens=10**6)
+    assert e.value.param == "max_tokens" and "max_tokens must be in 1..8192" in e.value.message
 
 
 def test_api_key_and_body_cap(gw):
