@@ -20,9 +20,11 @@ target of a named shape in memory, for speed-only numbers on machines without we
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import platform
 import re
@@ -33,7 +35,7 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import click
 import mlx.core as mx
@@ -49,6 +51,7 @@ from .benchplan import (
     oracle_shapes,
 )
 from .benchsetup import (
+    DEFAULT_OUT,
     DTYPES,
     RANDOM_SHAPES,
     BenchConfig,
@@ -57,6 +60,7 @@ from .benchsetup import (
     chat_prompts,
     make_drafter,
     prompt_ids,
+    prompt_text,
 )
 from .drafters import DFlashDrafter, Drafter, short_block_max
 from .generate import Finished, stream_dflash_generate
@@ -334,6 +338,12 @@ class Bench:
         self.planner = Planner(self.ledger)
         self.counter = 0
         self._forward: dict[tuple, dict | None] = {}  # forward costs do not depend on the temperature
+        self.timed: list[dict] = []  # the context in progress's timed runs: kept on Ctrl-C
+
+    def timed_run(self, ctx: int, r: int, eng: str, rec: dict) -> None:
+        """A timed run is done: shown, and kept should the benchmark be interrupted."""
+        self.timed.append(rec)
+        _progress(self, ctx, r, eng, rec)
 
     def sampling(self, temperature: float) -> Sampling:
         """Greedy, or the run's own seed: reproducible, different for every run."""
@@ -487,7 +497,7 @@ def run_context_fresh(bench: Bench, ctx: int, temp: float) -> tuple[list[dict], 
                     pending.append((rec, ids, out))
                 else:
                     rec.update(lossless=None, first_mismatch=None)
-            _progress(bench, ctx, r, eng, rec)
+            bench.timed_run(ctx, r, eng, rec)
             time.sleep(cfg.cooldown)
     for rec, ids, out in pending:  # the baseline's ids for each DFlash prompt (untimed, after)
         want, _ = bench.baseline(ids, 0.0)
@@ -569,7 +579,8 @@ def run_context_same(bench: Bench, ids: list[int], temp: float) -> tuple[list[di
                 got[eng] = bench.baseline(ids, temp)
             else:
                 got[eng] = bench.dflash(ids, temp, reference)
-            _progress(bench, ctx, r, eng, got[eng][1])
+            _label(got[eng][1], ctx, r, eng, cfg, got[eng][0], temp)
+            bench.timed_run(ctx, r, eng, got[eng][1])
             time.sleep(cfg.cooldown)
         (b_ids, b_rec), (d_ids, d_rec) = got["baseline"], got["dflash"]
         if greedy:
@@ -579,8 +590,6 @@ def run_context_same(bench: Bench, ids: list[int], temp: float) -> tuple[list[di
                     f"token {d_rec['first_mismatch']}")
         else:
             d_rec.update(lossless=None, first_mismatch=None)
-        for eng, (tok_ids, rec) in got.items():
-            _label(rec, ctx, r, eng, cfg, tok_ids, temp)
         base_runs.append(b_rec)
         dfl_runs.append(d_rec)
     fwd = bench.forward_cost(ctx, ids)
@@ -644,22 +653,91 @@ def method(cfg: BenchConfig, setup: Setup, runs: list[dict], first_time_used: bo
     }
 
 
-def run_benchmark(cfg: BenchConfig, log: Log = print) -> tuple[dict, Path]:
-    """Run the whole protocol; write the JSON (and plot); return (result, json path)."""
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during the runs: what was measured is written all the same (`path`)."""
+
+    def __init__(self, path: Path):
+        super().__init__(str(path))
+        self.path = path
+
+
+def check_config(cfg: BenchConfig) -> None:
+    """What can be refused before any model loads (ValueError), so a mistake costs no setup."""
     if cfg.repeats < 1 or cfg.max_tokens < 1 or not cfg.contexts or not cfg.temperatures:
         raise ValueError("need repeats >= 1, max_tokens >= 1, at least one context length "
                          "and at least one temperature")
-    sampled = [t for t in cfg.temperatures if t > 0]
-    if sampled and cfg.oracle:
+    if cfg.oracle and any(t > 0 for t in cfg.temperatures):
         raise ValueError("--oracle is greedy only: it replays the target's greedy ids")
+    if cfg.random_target and (cfg.model or cfg.draft):
+        raise ValueError("--random-target builds its own target and draft: give it without "
+                         "--model / --draft")
+    if cfg.random_target and cfg.chat:
+        raise ValueError("--chat needs a real model with a tokenizer (not --random-target)")
+    if cfg.random_target and cfg.draft_layers == 0 and not cfg.oracle:
+        raise ValueError("DFlash mode needs a draft (give --draft, or --draft-layers > 0)")
+
+
+def out_dir(out: str) -> Path:
+    """The results folder, made if missing; ValueError when it cannot be (a file in its place)."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {out} cannot be made: {e.strerror or e}") from e
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out} is not writable")
+    return path
+
+
+@contextlib.contextmanager
+def results_folder(out: str) -> Iterator[Path]:
+    """The results folder made before the runs, so a bad --out is refused before them, not
+    after (when the measurements would be lost); the folders made for it are removed again
+    when the body fails before writing anything into them."""
+    made = [d for d in (Path(out), *Path(out).parents) if not d.exists()]
+    path = out_dir(out)
+    try:
+        yield path
+    except BaseException:
+        for d in made:  # innermost first; a folder holding anything stays
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
+
+
+def check_setup(cfg: BenchConfig, setup: Setup) -> None:
+    """What the loaded pair decides, checked before the first run: a draft to run, a window
+    its block and the target's caches can take."""
+    from .window import fixed_window
+
+    if not cfg.oracle and setup.draft_model is None:
+        raise ValueError("DFlash mode needs a draft (give --draft, or --draft-layers > 0)")
+    fixed_window(_window(cfg), setup.block_size,
+                 rollback.plain_step_undoable(setup.target.make_cache()))
+
+
+def run_benchmark(cfg: BenchConfig, log: Log = print) -> tuple[dict, Path]:
+    """Run the whole protocol; write the JSON (and plot); return (result, json path).
+
+    Ctrl-C during the runs writes what was measured (`interrupted: true`: the finished rows,
+    and every finished timed run) and raises Interrupted with its path."""
+    check_config(cfg)
+    text = prompt_text(cfg)
+    with results_folder(cfg.out):
+        return _run_benchmark(cfg, log, text)
+
+
+def _run_benchmark(cfg: BenchConfig, log: Log, text: str | None) -> tuple[dict, Path]:
     t_setup = time.perf_counter()
     setup = build_setup(cfg)
+    check_setup(cfg, setup)
     # Raw prompts ignore EOS: every run generates exactly max_tokens (comparable tok/s). Chat
     # answers stop at EOS: past it a model loops on its last turn, which any draft predicts
     # (95% acceptance measured) and no user ever sees.
     if not (cfg.respect_eos or cfg.chat):
         setup.tokenizer.eos_token_ids = set()
-    text = Path(cfg.prompt_file).read_text() if cfg.prompt_file else None
     mode_line = _mode_line(cfg, setup)
     log(f"== dflash benchmark | MODE: {mode_line}")
     log(f"== {setup.description} | dtype {setup.dtype} | device {mx.default_device()} | "
@@ -670,23 +748,67 @@ def run_benchmark(cfg: BenchConfig, log: Log = print) -> tuple[dict, Path]:
     fresh = cfg.first_time_lengths and not cfg.chat
     runs: list[dict] = []
     summary: list[dict] = []
+    try:
+        _run_rows(bench, fresh, runs, summary)
+        interrupted = False
+    except KeyboardInterrupt:
+        interrupted = True
+        runs.extend(_unfinished(bench.timed))
+    if interrupted and not runs:
+        log("== interrupted (Ctrl-C) before any timed run finished: nothing written")
+        raise KeyboardInterrupt
+    result = _result(cfg, setup, mode_line, runs, summary, fresh, interrupted)
+    path = _write(result, cfg, setup)
+    from .benchplot import format_table, plot
+
+    if summary:
+        log(format_table(result))
+    if interrupted:
+        log(f"== interrupted (Ctrl-C): {len(summary)} finished row(s), {len(runs)} timed run(s) kept")
+    log(f"== results: {path}")
+    if interrupted:
+        raise Interrupted(path)
+    if cfg.plot:
+        note = plot(result, path.with_suffix(".png"))
+        log(f"== plot: {note}")
+    return result, path
+
+
+def _run_rows(bench: Bench, fresh: bool, runs: list[dict], summary: list[dict]) -> None:
+    """Every (temperature, context or question) row, appended to `runs` / `summary` as each
+    one finishes."""
+    cfg, setup = bench.cfg, bench.setup
     for temp in cfg.temperatures:
         if cfg.chat:
-            for ids in chat_prompts(setup, text):
-                ctx_runs, row = run_context_same(bench, ids, temp)
-                runs.extend(ctx_runs)
-                summary.append(row)
-            continue
-        for ctx in cfg.contexts:
-            if fresh:
-                ctx_runs, row = run_context_fresh(bench, ctx, temp)
-            else:
-                ctx_runs, row = run_context_same(bench, bench.prompt(ctx), temp)
+            rows = ((run_context_same, ids) for ids in chat_prompts(setup, bench.text))
+        elif fresh:
+            rows = ((run_context_fresh, ctx) for ctx in cfg.contexts)
+        else:
+            rows = ((run_context_same, bench.prompt(ctx)) for ctx in cfg.contexts)
+        for run_row, arg in rows:
+            bench.timed = []
+            ctx_runs, row = run_row(bench, arg, temp)
             runs.extend(ctx_runs)
             summary.append(row)
+            bench.timed = []
 
+
+def _unfinished(timed: list[dict]) -> list[dict]:
+    """The interrupted row's finished timed runs; DFlash runs whose ids were not yet compared
+    with the baseline's say so (lossless null)."""
+    for rec in timed:
+        if rec.get("engine") == "dflash":
+            rec.setdefault("lossless", None)
+            rec.setdefault("first_mismatch", None)
+    return _in_order(timed)
+
+
+def _result(cfg: BenchConfig, setup: Setup, mode_line: str, runs: list[dict], summary: list[dict],
+            fresh: bool, interrupted: bool) -> dict:
+    """The JSON written: the setup, the method, every run and the per-row summary."""
+    sampled = any(t > 0 for t in cfg.temperatures)
     greedy_dfl = [r["lossless"] for r in runs if r["engine"] == "dflash" and r["lossless"] is not None]
-    result = {
+    return {
         "mode": cfg.mode,
         "mode_description": mode_line,
         "model": setup.name,
@@ -695,6 +817,7 @@ def run_benchmark(cfg: BenchConfig, log: Log = print) -> tuple[dict, Path]:
         "block_size": setup.block_size,
         "capture_layer_ids": setup.target.layer_ids,
         "created": datetime.now().isoformat(timespec="seconds"),
+        "interrupted": interrupted,
         "hardware": hardware_info(),
         "versions": versions(),
         "config": dataclasses.asdict(cfg),
@@ -706,15 +829,6 @@ def run_benchmark(cfg: BenchConfig, log: Log = print) -> tuple[dict, Path]:
         "runs": runs,
         "summary": summary,
     }
-    path = _write(result, cfg, setup)
-    from .benchplot import format_table, plot
-
-    log(format_table(result))
-    log(f"== results: {path}")
-    if cfg.plot:
-        note = plot(result, path.with_suffix(".png"))
-        log(f"== plot: {note}")
-    return result, path
 
 
 def _mode_line(cfg: BenchConfig, setup: Setup) -> str:
@@ -727,11 +841,15 @@ def _mode_line(cfg: BenchConfig, setup: Setup) -> str:
 
 
 def _write(result: dict, cfg: BenchConfig, setup: Setup) -> Path:
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    """<out>/<label>-<mode>-<host>-<time>.json; a name already taken (two runs in one second)
+    gets -2, -3, ...: a result never overwrites another."""
+    out = out_dir(cfg.out)
     stem = "-".join([cfg.label or setup.name, cfg.mode, socket.gethostname(),
                      datetime.now().strftime("%Y%m%d-%H%M%S")])
-    path = out / (re.sub(r"[^A-Za-z0-9._-]+", "-", stem) + ".json")
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", stem)
+    path, n = out / f"{stem}.json", 2
+    while path.exists():
+        path, n = out / f"{stem}-{n}.json", n + 1
     path.write_text(json.dumps(result, indent=2) + "\n")
     return path
 
@@ -818,6 +936,27 @@ def _contexts(_ctx: Any, _param: Any, value: str) -> list[int]:
     return vals
 
 
+def finite_option(_ctx: Any, _param: Any, value: float | None) -> float | None:
+    """nan passes click's float ranges (every comparison with it is false), inf sleeps forever:
+    refused as the option's value."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number")
+    return value
+
+
+def window_option(_ctx: Any, _param: Any, value: str) -> str:
+    """--verify-window's form (auto, full, a count >= 1) checked as an option, before any model
+    loads; whether the draft's block and the target's caches take it is checked once loaded."""
+    from .window import fixed_window
+
+    try:
+        fixed_window(value, 1 << 30)
+    except ValueError:
+        raise click.BadParameter(f"auto, full or a number of tokens >= 1 (1 = plain decoding); "
+                                 f"got {value!r}") from None
+    return value
+
+
 def _temperatures(_ctx: Any, _param: Any, value: str) -> list[float]:
     try:
         vals = [float(v) for v in value.replace(" ", "").split(",") if v]
@@ -830,9 +969,12 @@ def _temperatures(_ctx: Any, _param: Any, value: str) -> list[float]:
 
 @click.command("benchmark")
 @click.option("--model", default=None, help="Target model directory (mlx-lm format).")
-@click.option("--draft", default=None, help="Draft directory (optional with --oracle).")
+@click.option("--draft", default=None,
+              help="Draft directory; omitted: resolved from the registry, as `dflash generate` does "
+                   "(with --oracle: no draft, none of its cost).")
 @click.option("--random-target", type=click.Choice(list(RANDOM_SHAPES)), default=None,
-              help="Build a random-weight target of this shape in memory instead of --model.")
+              help="Build a random-weight target (and draft) of this shape in memory instead of "
+                   "--model / --draft.")
 @click.option("--draft-layers", default=5, show_default=True, type=click.IntRange(0),
               help="Random target: layers of the random draft (0 = none).")
 @click.option("--block-size", default=16, show_default=True, type=click.IntRange(2),
@@ -842,16 +984,18 @@ def _temperatures(_ctx: Any, _param: Any, value: str) -> list[float]:
 @click.option("--oracle-draft-cost/--no-oracle-draft-cost", default=True, show_default=True,
               help="Oracle mode: still run the draft (if any) so its cost is timed.")
 @click.option("--contexts", default="1024,2048,4096,8192", show_default=True, callback=_contexts,
-              help="Prompt lengths in tokens, comma-separated.")
+              help="Prompt lengths in tokens, comma-separated (not used with --chat).")
 @click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(1))
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1))
 @click.option("--warmup", default=1, show_default=True, type=click.IntRange(0),
               help="Untimed runs of both engines per context before the timed ones.")
 @click.option("--cooldown", default=5.0, show_default=True, type=click.FloatRange(0),
-              help="Seconds to sleep between runs.")
+              callback=finite_option, help="Seconds to sleep between runs.")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
               help="Cast target and draft (default: as stored; random target: bf16 GPU, fp32 CPU).")
-@click.option("--out", default="benchmark/results", show_default=True, help="Output folder.")
+@click.option("--out", default=DEFAULT_OUT, show_default=True,
+              help="Output folder for the JSON and the plot, made if missing (relative paths: "
+                   "under the current directory).")
 @click.option("--prompt-file", default=None, type=click.Path(exists=True, dir_okay=False),
               help="Text to build prompts from (repeated/trimmed); default: built-in prose. "
                    "With --chat: one question per line, or JSONL with \"prompt\" (e.g. engine/training/heldout_prompts.jsonl).")
@@ -860,10 +1004,11 @@ def _temperatures(_ctx: Any, _param: Any, value: str) -> list[float]:
                    "ones or --prompt-file lines) instead of raw text cut to --contexts.")
 @click.option("--label", default=None, help="Name for the result files (default: model name).")
 @click.option("--respect-eos", is_flag=True,
-              help="Stop at EOS (default: ignore it, so all runs have the same length).")
+              help="Stop at EOS (default: ignore it, so all runs have the same length; --chat "
+                   "always stops there).")
 @click.option("--verify-iters", default=10, show_default=True, type=click.IntRange(0),
               help="Timed iterations of the M=block vs M=1 forward (0 = skip).")
-@click.option("--verify-window", default="auto", show_default=True,
+@click.option("--verify-window", default="auto", show_default=True, callback=window_option,
               help="Tokens per verify: auto, full, or a number (oracle mode: always full).")
 @click.option("--copy-draft/--no-copy-draft", default=True, show_default=True,
               help="Copy drafting beside the draft: verify a copy of what followed the text's last "
@@ -873,24 +1018,36 @@ def _temperatures(_ctx: Any, _param: Any, value: str) -> list[float]:
               help="Sampling temperature(s), comma-separated: 0 = greedy; e.g. 0,0.7 runs both, "
                    "one summary row per temperature and context.")
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True),
-              help="Sampling: nucleus mass (1 = off), for both engines.")
+              callback=finite_option, help="Sampling: nucleus mass (1 = off), for both engines.")
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(0),
               help="Sampling: keep the k most likely tokens (0 = off), for both engines.")
 @click.option("--first-time-lengths/--no-first-time-lengths", default=True, show_default=True,
               help="Every timed run at cache lengths never run before in the process (its own "
-                   "prompt length); off: one prompt re-run by every run (the old method).")
-@click.option("--seed", default=0, show_default=True, type=int,
-              help="Random prompt ids, random weights, and the sampling draws of each run.")
+                   "prompt length); off: one prompt re-run by every run (the old method; --chat "
+                   "always runs so).")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, (1 << 63) - 1),
+              help="Random prompt ids and random weights (--random-target), and the sampling "
+                   "draws of each run.")
 @click.option("--no-plot", is_flag=True, help="Do not draw the PNG plot.")
 def benchmark_command(no_plot: bool, **kwargs: Any) -> None:
-    """Benchmark DFlash against mlx-lm's stream_generate, side by side, in one process."""
+    """Benchmark DFlash against mlx-lm's stream_generate, side by side, in one process.
+
+    Writes one JSON (and a PNG plot) into --out and prints its path. Ctrl-C stops it and still
+    writes what was measured ("interrupted": true), exit status 130.
+    """
     if not kwargs["model"] and not kwargs["random_target"]:
         raise click.UsageError("give --model PATH or --random-target SHAPE")
+    if kwargs["random_target"] and (kwargs["model"] or kwargs["draft"]):
+        raise click.UsageError("--random-target builds its own target and draft: give it without "
+                               "--model / --draft")
     cfg = BenchConfig(**kwargs, plot=not no_plot)
     try:
         run_benchmark(cfg, log=lambda s: click.echo(s))
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from e
+    except KeyboardInterrupt:  # Interrupted: the JSON so far is written (and named) already
+        click.echo("cancelled", err=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":  # `python -m dflash.engine.benchmark ...`, without the full CLI

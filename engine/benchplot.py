@@ -7,6 +7,7 @@ without it the plot is skipped with a note and nothing else changes.
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -55,12 +56,13 @@ def format_table(result: dict[str, Any]) -> str:
     columns = _columns(result)
     rows = [[_cell(r, key, fmt) for _, key, fmt in columns] for r in result["summary"]]
     heads = [h for h, _, _ in columns]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(heads)]
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(heads)]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
     mode = "ORACLE (ceiling, not a real draft)" if result["mode"] == "oracle" else "dflash"
     title = (f"== summary: {result['model']} | mode {mode} | {result['dtype']} | "
              f"{result['hardware']['mx_default_device']} | medians of "
-             f"{result['config']['repeats']} repeat(s)")
+             f"{result['config']['repeats']} repeat(s)"
+             + (f" | INTERRUPTED (Ctrl-C): {len(rows)} finished row(s)" if result.get("interrupted") else ""))
     rule = line(["-" * w for w in widths])
     method = result.get("method") or {}
     note = (f"== method: first-time lengths {method.get('first_time_lengths')} (verified "
@@ -83,6 +85,8 @@ def plot(result: dict[str, Any], path: Path) -> str:
     except ImportError:
         return "skipped: matplotlib is not installed (pip install 'dflash[bench]')"
 
+    if not result["summary"]:  # a run interrupted before its first row finished
+        return "skipped: no finished rows"
     if (result.get("config") or {}).get("chat"):
         return _plot_chat(result, path, plt)
     rows = result["summary"]
@@ -179,10 +183,17 @@ def main(argv: list[str] | None = None) -> int:
     for f in a.results:
         try:
             result = json.loads(f.read_text())
+        except OSError as e:
+            print(f"{f}: cannot be read ({e.strerror or e})", file=sys.stderr)
+            return 1
+        except ValueError as e:
+            print(f"{f}: not a dflash benchmark result (not JSON: {e})", file=sys.stderr)
+            return 1
+        try:
             print(format_table(result))
             print(f"== plot: {plot(result, f.with_suffix('.png'))}")
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            print(f"{f}: not a dflash benchmark result ({type(e).__name__}: {e})")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            print(f"{f}: not a dflash benchmark result ({type(e).__name__}: {e})", file=sys.stderr)
             return 1
     return 0
 

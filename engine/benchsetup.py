@@ -44,6 +44,10 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
 
 
 # --- configuration ------------------------------------------------------------------------------
+# Results go under the directory the user runs from, never into the installed package's tree.
+DEFAULT_OUT = "benchmark-results"
+
+
 @dataclass
 class BenchConfig:
     """Every knob of one benchmark run; written verbatim into the JSON."""
@@ -61,7 +65,7 @@ class BenchConfig:
     warmup: int = 1
     cooldown: float = 5.0
     dtype: str | None = None
-    out: str = "benchmark/results"
+    out: str = DEFAULT_OUT
     prompt_file: str | None = None
     chat: bool = False  # prompts = chat questions through the template, not text cut to contexts
     label: str | None = None
@@ -251,7 +255,8 @@ def build_setup(cfg: BenchConfig) -> Setup:
         layer_ids = default_layer_ids(n, 5)
         draft = None
         if cfg.draft_layers > 0 and not (cfg.oracle and not cfg.oracle_draft_cost):
-            draft = random_draft(tcfg, layer_ids, cfg.draft_layers, cfg.block_size, DTYPES[dname])
+            draft = random_draft(tcfg, layer_ids, cfg.draft_layers, cfg.block_size, DTYPES[dname],
+                                 seed=cfg.seed + 1)  # seed 0: the draft every earlier result ran
         desc = (f"random-weight {cfg.random_target} target "
                 f"({n} layers, hidden {tcfg['hidden_size']})")
         if draft is not None:
@@ -280,7 +285,10 @@ def build_setup(cfg: BenchConfig) -> Setup:
     if draft is not None:
         layer_ids, block = list(draft.config.target_layer_ids), draft.config.block_size
     elif cfg.draft:  # oracle without draft cost: the draft only fixes layers and block size
-        dcfg = DraftConfig.from_dict(json.loads((Path(cfg.draft) / "config.json").read_text()))
+        cfg_file = Path(cfg.draft) / "config.json"
+        if not cfg_file.is_file():  # as load_draft says it
+            raise FileNotFoundError(f"no config.json in draft directory {cfg.draft}")
+        dcfg = DraftConfig.from_dict(json.loads(cfg_file.read_text()))
         layer_ids, block = list(dcfg.target_layer_ids), dcfg.block_size
     else:
         layer_ids, block = None, cfg.block_size
@@ -345,6 +353,24 @@ def make_drafter(setup: Setup, cfg: BenchConfig, reference: list[int], prompt_le
 
 
 # --- prompts ------------------------------------------------------------------------------------
+def prompt_text(cfg: BenchConfig) -> str | None:
+    """--prompt-file's text, read before any model loads: an empty file (with --chat: one without
+    a question) is refused, never silently replaced by the built-in prompts."""
+    from .prompting import prompt_lines
+
+    if not cfg.prompt_file:
+        return None
+    try:
+        text = Path(cfg.prompt_file).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--prompt-file {cfg.prompt_file} cannot be read: {e}") from e
+    if not text.strip():
+        raise ValueError(f"--prompt-file {cfg.prompt_file} is empty")
+    if cfg.chat:
+        prompt_lines(text)  # a malformed JSON line is named now, not after the setup
+    return text
+
+
 def prompt_ids(setup: Setup, length: int, text: str | None, seed: int) -> list[int]:
     """Exactly `length` prompt ids: random ids for a random target, else text repeated/trimmed."""
     if setup.random_prompts and text is None:
@@ -356,7 +382,7 @@ def prompt_ids(setup: Setup, length: int, text: str | None, seed: int) -> list[i
 def text_prompt_ids(tok: Any, length: int, text: str | None = None) -> list[int]:
     """Exactly `length` ids of raw text (`text`, else the built-in prose) after the BOS token,
     the text repeated as often as it takes: the benchmark's `--contexts` prompts."""
-    body = list(tok.encode(text or BUILTIN_TEXT, add_special_tokens=False))
+    body = list(tok.encode(BUILTIN_TEXT if text is None else text, add_special_tokens=False))
     if not body:
         raise ValueError("the prompt text encodes to no tokens")
     bos = getattr(tok, "bos_token_id", None)
@@ -374,7 +400,7 @@ def chat_prompts(setup: Setup, text: str | None) -> list[list[int]]:
 
     if setup.random_prompts:
         raise ValueError("--chat needs a real model with a tokenizer (not --random-target)")
-    questions = [q for _, q in prompt_lines(text)] if text else CHAT_QUESTIONS
+    questions = CHAT_QUESTIONS if text is None else [q for _, q in prompt_lines(text)]
     if not questions:
         raise ValueError("the prompt file has no questions")
     return [build_prompt(setup.tokenizer, q) for q in questions]

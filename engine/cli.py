@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
-import math
+import shlex
+import signal
 import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable
 
 import click
 
+from .benchmark import benchmark_command, finite_option, window_option
+from .tiny import ARCH_CONFIGS
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -20,9 +26,10 @@ def main(ctx: click.Context) -> None:
         maybe_reexec()  # a fast BLAS for MLX's CPU backend, when installed ($DFLASH_BLAS=none: off)
 
 
-def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
-    if value is not None and not math.isfinite(value):
-        raise click.BadParameter(f"{value} is not a finite number")
+def _stops(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
+    """An empty stop sequence would be silently ignored: refused instead."""
+    if any(s == "" for s in value):
+        raise click.BadParameter("a stop sequence cannot be empty")
     return value
 
 
@@ -41,20 +48,22 @@ def _kv_bits(ctx: click.Context, param: click.Parameter, value: int | None) -> i
 @click.option("--max-tokens", "-m", default=256, show_default=True, type=click.IntRange(1))
 @click.option("--system", default=None, help="System message (chat models).")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
-@click.option("--stop", multiple=True, help="Stop sequence (repeatable).")
+@click.option("--stop", multiple=True, callback=_stops, help="Stop sequence (repeatable).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, help="Cast target and draft (CPU: float32 is fastest).")
 @click.option("--kv-bits", type=int, default=None, callback=_kv_bits,
               help="Quantize the target's KV cache to this many bits (2, 3, 4, 5, 6 or 8).")
-@click.option("--verify-window", default="auto", show_default=True, help="Tokens per verify: auto, full, or 1..block size (1 = plain decoding).")
+@click.option("--verify-window", default="auto", show_default=True, callback=window_option,
+              help="Tokens per verify: auto, full, or 1..block size (1 = plain decoding).")
 @click.option("--copy-draft/--no-copy-draft", default=True, show_default=True,
               help="When the text repeats itself, verify a copy of what followed its last tokens instead of the draft's block, where that is expected to pay.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats, sampling).")
 @click.option("--temperature", "-t", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              callback=_finite, help="Sampling temperature; 0 = greedy (lossless: the target's argmax).")
+              callback=finite_option, help="Sampling temperature; 0 = greedy (lossless: the target's argmax).")
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
-              help="Nucleus sampling: keep the smallest set of tokens with this mass; 1 = off.")
+              callback=finite_option,
+              help="Nucleus sampling (with --temperature > 0): keep the smallest set of tokens with this mass; 1 = off.")
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Keep the k most likely tokens; 0 = off.")
+              help="Sampling (with --temperature > 0): keep the k most likely tokens; 0 = off.")
 @click.option("--seed", type=click.IntRange(0, (1 << 64) - 1), default=None,
               help="Random seed for sampling; default: a random one, printed. The same seed repeats the same ids under a fixed --verify-window (auto follows timings).")
 @click.option("--compare-plain", is_flag=True,
@@ -62,80 +71,177 @@ def _kv_bits(ctx: click.Context, param: click.Parameter, value: int | None) -> i
                    "whether the tokens are the same (--json: under 'plain').")
 def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtype, kv_bits, verify_window, copy_draft,
              as_json, temperature, top_p, top_k, seed, compare_plain):
-    """Generate with DFlash (greedy by default); prints text as it streams, then the stats."""
-    from .generate import (COMPARING, Finished, comparison_line, format_stats, plain_comparison, sampling_line,
-                           stream_dflash_generate)
+    """Generate with DFlash (greedy by default); prints text as it streams, then the stats.
+
+    Ctrl-C stops after the current cycle and still prints the stats (--json: the JSON so far,
+    finish_reason "cancelled"), exit status 130; a second Ctrl-C quits at once.
+    """
+    from .generate import COMPARING, format_stats, plain_comparison
     from .loading import load_pair
     from .prompting import build_prompt
 
-    if prompt is None or prompt == "-":
-        prompt = sys.stdin.read()
+    if system is not None and raw:
+        raise click.UsageError("--system goes into the chat template, which --raw leaves out")
     if temperature > 0 and seed is None:  # drawn here and reported, so the run can be repeated
         import secrets
 
         seed = secrets.randbits(63)
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
+    plain, shown = None, False  # shown: the DFlash run's stats line is printed already
     try:
+        prompt = _read_prompt(prompt)
         pair = load_pair(model_path, draft_path, dtype=dtype)
+        _check_pair(pair, model_path, system, compare_plain)
         ids = build_prompt(pair.tokenizer, prompt, system=system, raw=raw)
-        final = None
-        for ev in stream_dflash_generate(
-            pair.target, pair.drafter, pair.tokenizer, ids, max_tokens, stop=stop, kv_bits=kv_bits,
-            verify_window=verify_window, copy_draft=copy_draft, **sampling,
-        ):
-            if isinstance(ev, Finished):
-                final = ev
-            elif not as_json:
-                click.echo(ev.text, nl=False)
-                sys.stdout.flush()
-        plain = None
-        if compare_plain:
-            if not as_json:
-                click.echo()
-                click.echo(format_stats(final.stats.to_dict()), err=True)
-                click.echo(COMPARING, err=True)
-            other = None
-            for ev in stream_dflash_generate(pair.target, pair.drafter, pair.tokenizer, ids, max_tokens, stop=stop,
-                                             kv_bits=kv_bits, verify_window=1, **sampling):
-                other = ev if isinstance(ev, Finished) else other
-            plain = plain_comparison(final.token_ids, final.stats.to_dict(), other.token_ids,
-                                     other.stats.to_dict(), greedy=temperature == 0)
+        common = dict(stop=stop, kv_bits=kv_bits, **sampling)
+        with CtrlC() as cancel:
+            final = _decode(pair, ids, max_tokens, not as_json, cancel, verify_window=verify_window,
+                            copy_draft=copy_draft, **common)
+            if compare_plain and not cancel.hit:
+                if not as_json:
+                    click.echo()
+                    click.echo(format_stats(final.stats.to_dict()), err=True)
+                    click.echo(COMPARING, err=True)
+                    shown = True
+                other = _decode(pair, ids, max_tokens, False, cancel, verify_window=1, **common)
+                if not cancel.hit:
+                    plain = plain_comparison(final.token_ids, final.stats.to_dict(), other.token_ids,
+                                             other.stats.to_dict(), greedy=temperature == 0)
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from e
-    except KeyboardInterrupt:  # Ctrl-C: what streamed stays on screen; exit as a shell expects
+    except KeyboardInterrupt:  # a second Ctrl-C, or one while loading: what streamed stays on screen
         click.echo("\ncancelled", err=True)
         sys.exit(130)
+    _report(final, plain, sampling, as_json, shown)
+    if cancel.hit:
+        click.echo("cancelled", err=True)
+        sys.exit(130)
+
+
+def _check_pair(pair: Any, model_path: str, system: str | None, compare_plain: bool) -> None:
+    """What the loaded pair cannot do, refused before any token (ValueError): a system message
+    without a chat template would vanish; a plain run on a sliding-window target would fail
+    only after the DFlash run, losing its result."""
+    from .rollback import plain_step_undoable
+
+    if system is not None and getattr(pair.tokenizer, "chat_template", None) is None:
+        raise ValueError(f"--system needs a chat template, and {model_path}'s tokenizer has none")
+    if compare_plain and not plain_step_undoable(pair.target.make_cache()):
+        raise ValueError("--compare-plain decodes plainly (verify window 1), which this target cannot: "
+                         "its sliding-window cache cannot undo a single token")
+
+
+def _report(final: Any, plain: dict | None, sampling: dict, as_json: bool, shown: bool) -> None:
+    """The JSON object, or the stats / comparison lines on stderr (`shown`: the stats line is
+    out already, before the plain run)."""
+    from .generate import comparison_line, format_stats, sampling_line
+
     s = final.stats
     if as_json:
         out = {"text": final.text, "token_ids": final.token_ids, "stats": s.to_dict(), "sampling": sampling}
         click.echo(json.dumps(out if plain is None else {**out, "plain": plain}))
         return
-    if plain is None:
+    if plain is not None:
+        click.echo(comparison_line(plain, s.decode_tps), err=True)
+    elif not shown:
         click.echo()
         click.echo(format_stats(s.to_dict()), err=True)
-    else:
-        click.echo(comparison_line(plain, s.decode_tps), err=True)
-    if temperature > 0:
+    if sampling["temperature"] > 0:
         click.echo(sampling_line(sampling), err=True)
+
+
+def _read_prompt(prompt: str | None) -> str:
+    """The prompt as given, or stdin's text for '-' or none (a terminal is told so: a bare
+    `dflash generate --model M` would look hung)."""
+    if prompt is not None and prompt != "-":
+        return prompt
+    if sys.stdin.isatty():
+        click.echo("[dflash] reading the prompt from stdin (end it with Ctrl-D)", err=True)
+    return sys.stdin.read()
+
+
+class CtrlC:
+    """SIGINT while decoding: the first one asks the generator to stop after its cycle, so the
+    tokens so far and their stats are still reported; the second interrupts at once."""
+
+    def __init__(self) -> None:
+        self.hit = False
+        self._old: Any = None
+
+    def __enter__(self) -> "CtrlC":
+        if threading.current_thread() is threading.main_thread():  # only there can it be set
+            self._old = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+    def __call__(self) -> bool:
+        return self.hit
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.hit = True
+        signal.signal(signal.SIGINT, self._old)
+        click.echo("\n[dflash] stopping after this cycle (Ctrl-C again: at once)", err=True)
+
+
+def _decode(pair: Any, ids: list[int], max_tokens: int, echo: bool, cancel: Callable[[], bool],
+            **kwargs: Any) -> Any:
+    """One generation to its Finished event, echoing the text as it streams when `echo`."""
+    from .generate import Finished, stream_dflash_generate
+
+    final = None
+    for ev in stream_dflash_generate(pair.target, pair.drafter, pair.tokenizer, ids, max_tokens,
+                                     should_cancel=cancel, **kwargs):
+        if isinstance(ev, Finished):
+            final = ev
+        elif echo:
+            click.echo(ev.text, nl=False)
+            sys.stdout.flush()
+    return final
 
 
 @main.command("make-tiny")
 @click.argument("out_dir")
-@click.option("--arch", default="qwen3", show_default=True, help="Tiny target family.")
-@click.option("--draft-layers", default=1, show_default=True)
-def make_tiny(out_dir, arch, draft_layers):
+@click.option("--arch", type=click.Choice(list(ARCH_CONFIGS)), default="qwen3", show_default=True,
+              help="Tiny target family.")
+@click.option("--draft-layers", default=1, show_default=True, type=click.IntRange(1),
+              help="Layers of the random draft.")
+@click.option("--force", is_flag=True, help="Replace OUT_DIR when it exists and is not empty.")
+def make_tiny(out_dir: str, arch: str, draft_layers: int, force: bool) -> None:
     """Write a tiny random-weight target (OUT_DIR) and draft (OUT_DIR/draft) for trying things."""
-    from pathlib import Path
-
+    from .convert import staging
     from .tiny import build_draft, build_target
 
-    out = Path(out_dir)
-    build_target(out, arch)
-    build_draft(out / "draft", out, num_layers=draft_layers)
-    click.echo(f"tiny {arch} target in {out}, draft in {out / 'draft'} (random weights)")
+    out = _tiny_out(out_dir, force)
+    try:
+        with staging(out) as tmp:  # built beside OUT_DIR, renamed into place: nothing half-written
+            build_target(tmp, arch)
+            build_draft(tmp / "draft", tmp, num_layers=draft_layers)
+    except KeyboardInterrupt:
+        click.echo("cancelled (nothing written)", err=True)
+        sys.exit(130)
+    draft = str(Path(out_dir) / "draft")
+    click.echo(f"tiny {arch} target in {out_dir}, draft in {draft} (random weights); try:\n"
+               f"  dflash generate --model {shlex.quote(out_dir)} --draft {shlex.quote(draft)} -p Hello -m 32")
 
 
-from .benchmark import benchmark_command  # noqa: E402
+def _tiny_out(out_dir: str, force: bool) -> Path:
+    """OUT_DIR absolute, refused when it is a file or (without --force) a folder with files: a
+    tiny model written over a real one would destroy it."""
+    out = Path(out_dir).absolute()
+    if out.exists() and not out.is_dir():
+        raise click.ClickException(f"{out_dir} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise click.ClickException(f"{out_dir} exists and is not empty (add --force to replace it)")
+    if out.is_dir() and Path.cwd().resolve().is_relative_to(out.resolve()):
+        raise click.ClickException(f"{out_dir} holds the current directory; refusing to replace it")
+    above = next(d for d in out.parents if d.exists())
+    if not above.is_dir():
+        raise click.ClickException(f"{out_dir} cannot be made: {above} is not a folder")
+    return out
+
 
 main.add_command(benchmark_command)
 

@@ -308,3 +308,143 @@ def test_ledger_and_planner() -> None:
     ledger.end(prompt_len=200)
     assert planner.nearest(200, lambda n: oracle_shapes(n, 32, 16), candidates=range(200, 205)) == 201
     assert not planner.fresh(dflash_shapes(199, 32, 16))
+
+
+# --- the command line as a user meets it --------------------------------------------------------
+NO_REEXEC = {"DFLASH_BLAS": "none"}  # in this process: never the re-exec that preloads a BLAS (accel.py)
+QUICK = ["--contexts", "64", "--max-tokens", "8", "--repeats", "1", "--cooldown", "0",
+         "--verify-iters", "1", "--no-plot"]
+
+
+def _bench(args: list[str]) -> tuple[int, str]:
+    res = CliRunner(env=NO_REEXEC).invoke(benchmark_command, args)
+    assert "Traceback" not in res.output, res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.output + repr(res.exception)
+    return res.exit_code, res.output
+
+
+def test_default_out_is_under_the_current_directory(tiny: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not benchmark/results, the repository's archive: a user's run lands where they ran it."""
+    assert BenchConfig().out == "benchmark-results"
+    monkeypatch.chdir(tmp_path)
+    code, output = _bench(["--model", str(tiny / "target"), "--draft", str(tiny / "draft"),
+                           "--label", "cwd", *QUICK])
+    assert code == 0, output
+    (saved,) = (tmp_path / "benchmark-results").glob("cwd-*.json")
+    assert f"== results: benchmark-results/{saved.name}" in output
+    assert not (tmp_path / "benchmark").exists()
+
+
+def test_bad_out_is_refused_before_the_runs(tiny: Path, tmp_path: Path) -> None:
+    a_file = tmp_path / "results.txt"
+    a_file.write_text("mine")
+    pair = ["--model", str(tiny / "target"), "--draft", str(tiny / "draft")]
+    for out, says in ((a_file, "exists and is not a folder"), (a_file / "sub", "cannot be made")):
+        code, output = _bench([*pair, *QUICK, "--out", str(out)])
+        assert code == 1 and says in output and "== dflash benchmark" not in output, output
+    assert a_file.read_text() == "mine"
+    # a failure before anything is written leaves no folder made for it behind
+    code, output = _bench([*pair, *QUICK, "--verify-window", "17", "--out", str(tmp_path / "new" / "deep")])
+    assert code == 1 and "larger than this draft's block" in output
+    assert "-- context" not in output  # refused before the first run, not after a warm-up
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--verify-window", "0"], "Invalid value for '--verify-window'"),
+    (["--verify-window", "wide"], "Invalid value for '--verify-window'"),
+    (["--cooldown", "inf"], "Invalid value for '--cooldown'"),
+    (["--cooldown", "nan"], "Invalid value for '--cooldown'"),
+    (["--top-p", "nan"], "Invalid value for '--top-p'"),
+    (["--seed", "-1"], "Invalid value for '--seed'"),
+    (["--model", "x"], "give it without --model / --draft"),
+])
+def test_bad_values_are_usage_errors(args: list[str], says: str, tmp_path: Path) -> None:
+    code, output = _bench(["--random-target", "tiny", *QUICK, "--out", str(tmp_path), *args])
+    assert code == 2 and says in output, output
+    assert not list(tmp_path.iterdir())
+
+
+def test_no_draft_is_refused_before_any_run(tmp_path: Path) -> None:
+    code, output = _bench(["--random-target", "tiny", "--draft-layers", "0", *QUICK, "--out", str(tmp_path)])
+    assert code == 1 and "needs a draft" in output and "== dflash benchmark" not in output
+
+
+def test_empty_prompt_file_is_refused_not_replaced(tiny: Path, tmp_path: Path) -> None:
+    """An empty --prompt-file used to run the built-in prose (or the built-in chat questions)."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n  \n")
+    pair = ["--model", str(tiny / "target"), "--draft", str(tiny / "draft"), *QUICK, "--out", str(tmp_path / "r")]
+    for args, says in ((["--prompt-file", str(empty)], "is empty"),
+                       (["--prompt-file", str(empty), "--chat"], "is empty"),
+                       (["--prompt-file", str(blank), "--chat"], "is empty")):
+        code, output = _bench([*pair, *args])
+        assert code == 1 and says in output and "== dflash benchmark" not in output, output
+    assert not (tmp_path / "r").exists()
+
+
+def test_oracle_draft_without_a_config_is_named(tiny: Path, tmp_path: Path) -> None:
+    """--oracle --no-oracle-draft-cost reads only the draft's config: a wrong path says so as
+    every other draft path does, not as a bare errno line."""
+    code, output = _bench(["--model", str(tiny / "target"), "--oracle", "--no-oracle-draft-cost",
+                           "--draft", str(tmp_path / "nope"), *QUICK, "--out", str(tmp_path / "r")])
+    assert code == 1 and f"no config.json in draft directory {tmp_path / 'nope'}" in output, output
+
+
+def test_random_draft_follows_the_seed() -> None:
+    """--seed says it sets the random weights: the draft's too (seed 0: the draft of before)."""
+    from mlx.utils import tree_flatten
+
+    from dflash.engine.benchmark import build_setup
+
+    def draft_weights(seed: int) -> list:
+        setup = build_setup(BenchConfig(random_target="tiny", draft_layers=1, seed=seed))
+        return [w.tolist() for _, w in tree_flatten(setup.draft_model.parameters()) if w.ndim > 1][:1]
+
+    assert draft_weights(0) != draft_weights(1)
+
+
+def test_results_never_overwrite_each_other(tmp_path: Path) -> None:
+    """Two results of one label in one second (tiny runs take about that) get two files."""
+    from dflash.engine.benchmark import _write
+
+    cfg = BenchConfig(label="same", out=str(tmp_path))
+    paths = [_write({"n": i}, cfg, None) for i in range(3)]
+    assert len(set(paths)) == 3
+    assert [json.loads(p.read_text())["n"] for p in paths] == [0, 1, 2]
+
+
+def test_ctrl_c_writes_what_was_measured(tiny: Path, tmp_path: Path) -> None:
+    """A real process, a real SIGINT after its first timed run: exit 130, the JSON written with
+    that run in it and `interrupted: true`, its path printed; benchplot takes the file."""
+    import os
+    import signal
+    import subprocess
+
+    from dflash.engine import benchplot
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash.engine.benchmark", "--model", str(tiny / "target"),
+         "--draft", str(tiny / "draft"), "--contexts", "64,128,256", "--max-tokens", "64",
+         "--repeats", "3", "--cooldown", "1", "--no-plot", "--out", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **NO_REEXEC},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a background run ignores it
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "repeat 1/3" in line:  # a timed run has finished
+            proc.send_signal(signal.SIGINT)
+            break
+    out, err = proc.communicate(timeout=120)
+    output = "".join(lines) + out
+    assert proc.returncode == 130 and "Traceback" not in err, output + err
+    (saved,) = tmp_path.glob("*.json")
+    assert f"== results: {saved}" in output
+    data = json.loads(saved.read_text())
+    assert data["interrupted"] is True and data["runs"]
+    assert all(r["context"] == 64 for r in data["runs"]) and len(data["summary"]) == 0
+    assert all(r["lossless"] is None for r in data["runs"] if r["engine"] == "dflash")
+    assert benchplot.main([str(saved)]) == 0
