@@ -369,7 +369,6 @@ def stream_dflash_generate(
                 feed(cyc.features[:, :n_keep])
             stats.cycles += 1
             stats.plain_steps += cyc.block_len == 1
-            stats.accepted_drafts += accepted
             stats.accept_histogram[accepted] += 1
             stats.copy_cycles += cyc.copied
             stats.copy_accepted += accepted if cyc.copied else 0
@@ -397,6 +396,9 @@ def stream_dflash_generate(
             window.remember(window_memory)
     t_end = time.perf_counter()
     stats.generated_tokens = len(out.ids)
+    # drafts accepted among the tokens handed out: a cycle cut by max_tokens, EOS or a stop
+    # string accepted more than it emitted, and those never count (acceptance stays <= 1)
+    stats.accepted_drafts = out.drafted
     stats.acceptance = stats.accepted_drafts / max(stats.generated_tokens, 1)
     stats.tokens_per_cycle = (stats.accepted_drafts + stats.cycles) / max(stats.cycles, 1)
     stats.mean_verify_window = verified_tokens / max(stats.cycles, 1)
@@ -542,6 +544,7 @@ class _Output:
         self._raw = ""  # detokenized text not yet released
         self.reason = ""
         self.stopped_by_string = False
+        self.drafted = 0  # committed ids that were accepted drafts
 
     def push(self, ids: list[int], from_draft: list[bool], eos: set[int], max_tokens: int) -> bool:
         """Commit ids up to EOS / max_tokens / a stop sequence; True when generation is over."""
@@ -550,6 +553,7 @@ class _Output:
                 self.reason = "stop"
                 return True
             self.ids.append(tok)
+            self.drafted += fd
             self._pending_ids.append(tok)
             self._pending_draft.append(fd)
             self.detok.add_token(tok)

@@ -72,3 +72,22 @@ def test_window_policy_tracks_acceptance():
     for bad in (0, 17):
         with pytest.raises(ValueError):
             VerifyWindow(16, bad)
+
+
+@pytest.mark.parametrize("max_tokens", [2, 5, 9])
+def test_acceptance_counts_only_the_drafts_handed_out(pairs, max_tokens):
+    """A whole block accepted where max_tokens cuts the answer short: the stats count the drafts
+    that were emitted (acceptance <= 1), not all the verify accepted."""
+    pair = pairs("qwen3")
+    ids = pair.tokenizer.encode("Once upon a time there was a small town by the sea.")
+    ref = greedy_reference(pair.target.model, ids, 40)
+    saved, pair.tokenizer.eos_token_ids = pair.tokenizer.eos_token_ids, set()
+    try:
+        final, _ = run_dflash(pair.target, OracleDrafter(ref, len(ids), 16, vocab_size=pair.target.vocab_size),
+                              pair.tokenizer, ids, max_tokens, verify_window="full", copy_draft=False)
+    finally:
+        pair.tokenizer.eos_token_ids = saved
+    s = final.stats
+    assert final.token_ids == ref[:max_tokens] and s.cycles == 1
+    assert s.accept_histogram[15] == 1  # the verify itself accepted all 15 drafts
+    assert s.accepted_drafts == max_tokens - 1 and s.acceptance == pytest.approx((max_tokens - 1) / max_tokens)
