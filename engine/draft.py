@@ -86,6 +86,11 @@ class DraftConfig:
             scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         heads = d["num_attention_heads"]
         n_layers = d["num_hidden_layers"]
+        if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
+            raise ValueError(f"draft config.json: num_hidden_layers must be an integer >= 1, got {n_layers!r}")
+        if not dc["target_layer_ids"]:
+            raise ValueError("draft config.json: dflash_config.target_layer_ids is empty (the draft reads "
+                             "no target layer)")
         unsupported = []
         if d.get("attention_bias"):
             unsupported.append("attention_bias: true")

@@ -199,7 +199,9 @@ def test_what_our_draft_cannot_run_is_refused_clearly(tiny_dirs, tmp_path):
     target_cfg = json.loads((tiny_dirs["qwen3"] / "config.json").read_text())
     for change, msg in [({"attention_bias": True}, "attention_bias"),
                         ({"layer_types": ["sliding_attention", "full_attention"],
-                          "sliding_window": 64}, "sliding_attention")]:
+                          "sliding_window": 64}, "sliding_attention"),
+                        ({"num_hidden_layers": 0}, "num_hidden_layers must be an integer >= 1"),
+                        ({"num_hidden_layers": "2"}, "num_hidden_layers must be an integer >= 1")]:
         with pytest.raises(ValueError, match=msg):
             DraftConfig.from_dict({**_published_config(target_cfg), **change})
     draft = load_draft(tiny_dirs["qwen3"] / "draft")
