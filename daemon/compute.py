@@ -102,6 +102,7 @@ class Compute:
     def _generate(self, job: Job) -> tuple[Any, str]:
         from dflash.engine.generate import Finished, stream_dflash_generate
         from dflash.engine.sampling import SamplingParams
+        from dflash.engine.rollback import plain_step_undoable
         from dflash.engine.window import fixed_window
 
         if self.pair is None:
@@ -122,7 +123,7 @@ class Compute:
         # resolved when the job was accepted (version 3); a job persisted earlier has none
         window = req.get("verify_window") or self.cfg.window()
         try:  # the engine's own rule (a count up to the draft's block), before any work
-            fixed_window(window, self.pair.drafter.block_size)
+            fixed_window(window, self.pair.drafter.block_size, plain_step_undoable(self.pair.target.make_cache()))
         except ValueError as e:
             return P.Error(code=P.BAD_REQUEST, message=str(e), job_id=job.job_id), "error"
 

@@ -91,7 +91,7 @@ def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtyp
     try:
         prompt = _read_prompt(prompt)
         pair = load_pair(model_path, draft_path, dtype=dtype)
-        _check_pair(pair, model_path, system, compare_plain)
+        _check_pair(pair, compare_plain)
         ids = build_prompt(pair.tokenizer, prompt, system=system, raw=raw)
         common = dict(stop=stop, kv_bits=kv_bits, **sampling)
         with CtrlC() as cancel:
@@ -118,14 +118,12 @@ def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtyp
         sys.exit(130)
 
 
-def _check_pair(pair: Any, model_path: str, system: str | None, compare_plain: bool) -> None:
-    """What the loaded pair cannot do, refused before any token (ValueError): a system message
-    without a chat template would vanish; a plain run on a sliding-window target would fail
-    only after the DFlash run, losing its result."""
+def _check_pair(pair: Any, compare_plain: bool) -> None:
+    """What the loaded pair cannot do, refused before any token (ValueError): a plain run on a
+    sliding-window target would fail only after the DFlash run, losing its result (a system
+    message without a chat template: build_prompt refuses it)."""
     from .rollback import plain_step_undoable
 
-    if system is not None and getattr(pair.tokenizer, "chat_template", None) is None:
-        raise ValueError(f"--system needs a chat template, and {model_path}'s tokenizer has none")
     if compare_plain and not plain_step_undoable(pair.target.make_cache()):
         raise ValueError("--compare-plain decodes plainly (verify window 1), which this target cannot: "
                          "its sliding-window cache cannot undo a single token")

@@ -36,11 +36,15 @@ def build_prompt(
     """Token ids for a text prompt or a list of chat messages.
 
     Text is wrapped as one user message (after an optional system message) when the tokenizer
-    has a chat template and `raw` is false; otherwise it is encoded as is.
+    has a chat template and `raw` is false; otherwise it is encoded as is (and a system message
+    is refused: there is nowhere to put it).
     """
     if prompt is None or (isinstance(prompt, str) and not prompt.strip()):
         raise ValueError("empty prompt")
     has_template = getattr(tokenizer, "chat_template", None) is not None
+    if system and (raw or not has_template):  # it would vanish without a word
+        raise ValueError("a system message goes into the chat template, which "
+                         + ("raw text leaves out" if raw else "this model's tokenizer does not have"))
     if isinstance(prompt, str):
         if raw or not has_template:
             return list(tokenizer.encode(prompt))

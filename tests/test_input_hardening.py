@@ -242,3 +242,19 @@ def test_cli_refuses_non_utf8_in_one_line(daemon, lc_all):  # noqa: F811
         assert "Traceback" not in err
     ok = _cli(daemon, ["prompt", "-m", "2"], "héllo wörld".encode(), lc_all)  # UTF-8 is fine
     assert ok.returncode == 0, ok.stderr
+
+
+def test_a_plain_window_on_a_sliding_window_target_is_a_bad_request(tiny_dirs):
+    """verify_window 1 (what `--compare-plain` sends) on a target whose ring cache cannot undo
+    one token: a bad_request naming why, before any work; the daemon serves on."""
+    from daemon_fixtures import Daemon
+
+    d = tiny_dirs["gemma3_text"]
+    daemon_ = Daemon(str(d), str(d / "draft")).start()
+    try:
+        with daemon_.client(timeout=60) as c:
+            with pytest.raises(BadRequestError, match="sliding-window cache cannot undo"):
+                c.generate("hello", max_tokens=4, verify_window=1)
+            assert len(c.generate("hello", max_tokens=4).token_ids) >= 1
+    finally:
+        daemon_.stop()

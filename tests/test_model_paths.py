@@ -100,3 +100,14 @@ def test_ctrl_c_in_generate_exits_130_and_says_cancelled(tiny_dirs, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_system_message_is_refused_where_it_would_vanish(pairs):
+    """build_prompt (every path: the CLI, the daemon, the library): a system message with raw
+    text has nowhere to go, so it is refused, not dropped."""
+    from dflash.engine.prompting import build_prompt
+
+    tok = pairs("qwen3").tokenizer
+    with pytest.raises(ValueError, match="raw text leaves out"):
+        build_prompt(tok, "hello", system="Be brief.", raw=True)
+    assert build_prompt(tok, "hello", raw=True) == list(tok.encode("hello"))
