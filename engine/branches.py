@@ -195,13 +195,28 @@ def alternate_positions(q: mx.array, rows: int) -> mx.array:
 
 
 def sampled_rows(q: mx.array, rows: int, key: mx.array) -> mx.array:
-    """Draft ids [rows, n] drawn from q [n, V]: row 0 one draw per position, row r >= 1 row 0
-    with position alternate_positions(q)[r-1] drawn again, independently."""
-    spine_key, extra_key = mx.random.split(key)
-    spine = draw(q, spine_key)
+    """Draft ids [rows, n] drawn from q [n, V] with the extra draws at alternate_positions(q)."""
     if rows == 1:
-        return spine[None]
-    at = alternate_positions(q, rows)
-    extra = draw(q[at], extra_key)
-    others = mx.where(mx.arange(q.shape[0])[None, :] == at[:, None], extra[:, None], spine[None, :])
-    return mx.concatenate([spine[None], others])
+        return draw(q, key)[None]
+    return draw_rows(q, alternate_positions(q, rows), key)
+
+
+def draw_rows(q: mx.array, at: mx.array, key: mx.array) -> mx.array:
+    """Rows [..., R, n] for q [..., n, V] and extra-draw positions `at` [..., R-1] (sorted):
+    row 0 one draw from q at every position; row r >= 1 row 0 with position at[r-1] drawn
+    again, without replacement among that position's draws (never the token row 0 or an earlier
+    row took there: a repeat could never be accepted, see sampling.accept_rows). One Gumbel
+    perturbation of log q per position, its best token row 0's draw (Gumbel-max) and the next
+    ones the later draws there, in order (Gumbel-top-k: sampling without replacement)."""
+    extra = at.shape[-1]
+    rows, n = extra + 1, q.shape[-2]
+    g = mx.log(q) + mx.random.gumbel(q.shape, key=key)
+    top = mx.argpartition(-g, rows - 1, axis=-1)[..., :rows]
+    top = mx.take_along_axis(top, mx.argsort(-mx.take_along_axis(g, top, axis=-1), axis=-1), axis=-1)
+    spine = top[..., 0]  # [..., n]
+    same = (at[..., :, None] == at[..., None, :]).astype(mx.int32)
+    rank = mx.tril(same, -1).sum(axis=-1) + 1  # the how-manieth extra draw at its position
+    at_top = mx.take_along_axis(top, mx.broadcast_to(at[..., None], (*at.shape, rows)), axis=-2)
+    alt = mx.take_along_axis(at_top, rank[..., None], axis=-1)[..., 0]  # [..., R-1]
+    others = mx.where(mx.arange(n) == at[..., None], alt[..., None], spine[..., None, :])
+    return mx.concatenate([spine[..., None, :], others], axis=-2).astype(mx.int32)

@@ -182,17 +182,19 @@ def accept_rows(
     slots, the row they come from).
 
     Row 0 is the block drawn from q; row r >= 1 is row 0 with position alternates[r-1] replaced
-    by another, independent draw from q there (engine/branches.py `sampled_rows`). q is one
-    block-parallel distribution per position (it does not depend on the drafts before it, as a
-    DFlash draft's does not), so the rows make a tree: row 0 a chain, each other row one more
-    candidate at one of its nodes. Acceptance walks it as multi-candidate speculative sampling
-    does (SpecInfer's): at a node, candidates are tried in row order, each kept with probability
-    min(1, p'(x) / q(x)), p' the target's p there less what the rejected candidates took
-    (p' <- normalise(max(0, p' - q)) after each rejection); the first kept one's row goes on as
-    a plain chain, and when every candidate of the node is rejected, the token is a draw from
-    the last p'. Exact for candidates drawn independently from q in a number and order fixed
-    before the draws (the alternates' positions depend on q only): each rejection leaves
-    exactly p's missing mass in p', as the one-candidate rule does.
+    by another draw there, without replacement among that position's draws (engine/branches.py
+    `draw_rows`). q is one block-parallel distribution per position (it does not depend on the
+    drafts before it, as a DFlash draft's does not), so the rows make a tree: row 0 a chain,
+    each other row one more candidate at one of its nodes. Acceptance walks it as
+    multi-candidate speculative sampling does: at a node, candidates are tried in row order,
+    candidate i kept with probability min(1, p_i(x) / q_i(x)), where q_i is what it was drawn
+    from (q without the node's earlier candidates, renormalised) and p_i the target's p there
+    less what the rejected candidates took (p_(i+1) = normalise(max(0, p_i - q_i))); the first
+    kept one's row goes on as a plain chain, and when every candidate of the node is rejected,
+    the token is a draw from the last p_i. Exact: given the rejected candidates, each step is
+    one-candidate speculative sampling of p_i with the proposal q_i, exact for any proposal, so
+    a rejection leaves exactly the missing mass in p_(i+1); the number and order of candidates
+    are fixed before the draws (the alternates' positions depend on q only).
 
     Only the node where row 0 is first rejected can try alternates (at the nodes before it row
     0's own draft is kept first; those after it are not reached), so the walk is: row 0's chain,
@@ -217,18 +219,23 @@ def accept_rows(
     at = mx.minimum(first, k - 1)[..., None, None]
     q_j = mx.take_along_axis(q, at, axis=-2)[..., 0, :]
     left = residual(mx.take_along_axis(p[..., 0, :, :], at, axis=-2)[..., 0, :], q_j)
+    spine_x = mx.take_along_axis(drafts[..., 0, :], mx.minimum(first, k - 1)[..., None], axis=-1)
+    q_cur = _without(q_j, spine_x)  # what the node's next candidate was drawn from
     found = mx.zeros(first.shape, mx.bool_)
     row = mx.zeros(first.shape, mx.int32)
     u_alt = mx.random.uniform(shape=(*lead, max(rows - 1, 1)), key=key_a)
     for r in range(1, rows):
         pos = alternates[..., r - 1]
         x = mx.take_along_axis(drafts[..., r, :], pos[..., None], axis=-1)  # [..., 1]
-        tried = rejected & (pos == first) & ~found
-        keep = u_alt[..., r - 1] * mx.take_along_axis(q_j, x, axis=-1)[..., 0] < \
+        # a node whose q is used up (fewer tokens than candidates) has no candidate left
+        tried = rejected & (pos == first) & ~found & (q_cur.sum(axis=-1) > 0)
+        keep = u_alt[..., r - 1] * mx.take_along_axis(q_cur, x, axis=-1)[..., 0] < \
             mx.take_along_axis(left, x, axis=-1)[..., 0]
         row = mx.where(tried & keep, r, row)
         found = found | (tried & keep)
-        left = mx.where((tried & ~keep)[..., None], residual(left, q_j), left)
+        no = (tried & ~keep)[..., None]
+        left = mx.where(no, residual(left, q_cur), left)
+        q_cur = mx.where(no, _without(q_cur, x), q_cur)
     kept_row = mx.take_along_axis(kept, row[..., None, None], axis=-2)[..., 0, :]
     past = mx.arange(k) > first[..., None]
     run = mx.cumprod(mx.where(past, kept_row, 1), axis=-1).sum(axis=-1)  # first + 1 + kept after it
@@ -243,3 +250,10 @@ def accept_rows(
     slots = mx.concatenate([chosen, new[..., None]], axis=-1)
     tokens = mx.where(mx.arange(k + 1) < accepted[..., None], slots, new[..., None])
     return accepted.astype(mx.int32), tokens, row
+
+
+def _without(q: mx.array, x: mx.array) -> mx.array:
+    """q with token x (shape [..., 1]) taken out, renormalised (all zeros if nothing is left)."""
+    q = mx.where(mx.arange(q.shape[-1]) == x, 0.0, q)
+    mass = q.sum(axis=-1, keepdims=True)
+    return q / mx.where(mass > 0, mass, 1.0)

@@ -1,7 +1,7 @@
 """Sampled cycles of several draft rows are exact (engine/sampling.py `accept_rows`).
 
-Row 0 is a block drawn from the draft's block-parallel q, each other row one more independent
-draw at one position; the target verifies all rows in one pass and the walk over that tree
+Row 0 is a block drawn from the draft's block-parallel q, each other row one more draw at one
+position (without replacement among that position's draws); the target verifies all rows in one pass and the walk over that tree
 (multi-candidate speculative sampling) must emit tokens distributed exactly as the target's own
 sampler. Tested like the one-row rule (tests/test_sampling_dist.py, whose chi-square and
 total-variation tests these reuse):
@@ -70,10 +70,7 @@ def simulate_rows(t: mx.array, qt: mx.array, alternates: list[int], seed: int) -
     alt = mx.broadcast_to(mx.array(alternates, mx.int32), (CHAINS, ROWS - 1))
     while (length < DEPTH).any():
         q = mx.transpose(qt[:, anchor], (1, 0, 2))  # [C, DRAFTS, V]
-        spine = sampling.draw(q, keys.next())  # [C, DRAFTS]
-        extra = sampling.draw(mx.take_along_axis(q, alt[..., None], axis=1), keys.next())  # [C, R-1]
-        others = mx.where(mx.arange(DRAFTS)[None, None] == alt[..., None], extra[..., None], spine[:, None])
-        drafts = mx.concatenate([spine[:, None], others], axis=1)  # [C, R, DRAFTS]
+        drafts = branches.draw_rows(q, alt, keys.next())  # [C, R, DRAFTS]
         prev = mx.concatenate([mx.broadcast_to(anchor[:, None, None], (CHAINS, ROWS, 1)), drafts], axis=2)
         p = t[prev]  # [C, R, DRAFTS + 1, V]
         acc, toks, _ = sampling.accept_rows(p, drafts, q, alt, keys.next())
@@ -123,9 +120,11 @@ def test_alternates_go_where_the_draft_expects_misses():
     at = branches.alternate_positions(q, 5).tolist()
     assert at == sorted(at) and 0 not in at and 3 not in at and at.count(1) >= 2
     rows = np.array(branches.sampled_rows(q, 5, mx.random.key(0)))
-    for r, j in enumerate(at, start=1):
-        differ = np.nonzero(rows[r] != rows[0])[0].tolist()
-        assert differ in ([], [j])
+    for r, j in enumerate(at, start=1):  # each row differs from row 0 at its own position only
+        assert np.nonzero(rows[r] != rows[0])[0].tolist() == [j]
+    for j in set(at):  # without replacement: the draws at a position are all different
+        drawn = [rows[0, j]] + [rows[r, j] for r, a in enumerate(at, start=1) if a == j]
+        assert len(set(drawn)) == len(drawn)
     assert (rows[:, 0] == 0).all() and (rows[:, 3] == 0).all()  # a sure position is never redrawn
 
 
@@ -249,3 +248,12 @@ def test_tokens_a_cycle_script_reports_each_row_count(tiny_dirs, tmp_path):
     assert all(x["row_cycles"] == 0 for x in rep["runs"]["1"])
     assert all(x["row_cycles"] >= 1 for x in rep["runs"]["3"])
     assert all(s["tokens_per_cycle"] >= 1.0 for s in rep["summary"].values())
+
+
+def test_rows_rule_with_the_wrong_proposal_is_rejected(monkeypatch):
+    """Power: judging a later candidate against q itself instead of what it was drawn from (q
+    without the node's earlier candidates) is caught."""
+    t, q = block_tables(PARAMS["t1.0"], "random")
+    monkeypatch.setattr(sampling, "_without", lambda q, x: q)
+    r = assert_rejected(counts_of(simulate_rows(t, q, [0, 0, 0], seed=4)), markov_exact(t), CHAINS)
+    print("rows judged against q (rule, n=200k):", r)
