@@ -9,7 +9,9 @@ raises WorkerGoneError, so a dead worker is noticed within seconds.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import math
 import numbers
 import operator
 import os
@@ -109,7 +111,7 @@ def make_submit(
         P.check_submit(sub)
         codec.check_encodable(sub)
     except P.ProtocolError as e:
-        raise E.BadRequestError(e.code, e.message) from None
+        raise E.BadRequestError(e.code, e.message, param=e.param or "") from None
     return sub
 
 
@@ -166,8 +168,81 @@ def reply_error(e: P.ProtocolError, endpoint: str) -> E.DFlashError:
 
 
 def client_config(endpoint: str | None, config: DaemonConfig | str | None) -> tuple[str, DaemonConfig]:
+    if endpoint is not None and not isinstance(endpoint, str):
+        raise TypeError(f"endpoint must be a str such as 'ipc:///path/worker.sock', got {type(endpoint).__name__}")
     cfg = config if isinstance(config, DaemonConfig) else load_config(config)
     return endpoint or os.environ.get("DFLASH_ENDPOINT") or cfg.resolved_endpoint(), cfg
+
+
+def seconds(v: Any, name: str, zero_ok: bool = False) -> float:
+    """A time limit as float: a finite number > 0 (>= 0 with `zero_ok`). Checked up front: a
+    negative one made every call fail at once as "no worker answered", a str one much later."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds, got {type(v).__name__} {v!r}")
+    if not math.isfinite(v) or v < 0 or (v == 0 and not zero_ok):
+        raise ValueError(f"{name} must be a finite number of seconds {'>=' if zero_ok else '>'} 0, got {v!r}")
+    return float(v)
+
+
+def opt_seconds(v: Any, name: str, zero_ok: bool = False) -> float | None:
+    return None if v is None else seconds(v, name, zero_ok)
+
+
+def client_timings(timeout: Any, heartbeat_timeout: Any, retry_interval: Any) -> tuple[float, float, float]:
+    """A client's three time settings, checked (both clients take the same)."""
+    return (seconds(timeout, "timeout"), seconds(heartbeat_timeout, "heartbeat_timeout"),
+            seconds(retry_interval, "retry_interval"))
+
+
+def connect(sock: zmq.Socket, endpoint: str) -> None:
+    """Connect `sock`, or close it and raise the BadRequestError an endpoint ZeroMQ cannot parse
+    deserves (it was a bare `ZMQError: Invalid argument` and a socket left open)."""
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError as e:
+        sock.close(0)
+        raise E.BadRequestError("bad_endpoint", f"cannot connect to {endpoint!r} ({e.strerror}): an endpoint is "
+                                "ipc://PATH or tcp://HOST:PORT") from None
+
+
+def unavailable(endpoint: str) -> E.WorkerUnavailableError:
+    return E.WorkerUnavailableError(
+        "unavailable", f"no dflash worker answered at {endpoint} (is `dflashd start` running?)")
+
+
+def worker_gone(endpoint: str, heartbeat_timeout: float, job_id: str) -> E.WorkerGoneError:
+    return E.WorkerGoneError("worker_gone", f"the worker at {endpoint} stopped answering "
+                             f"(no heartbeat for {heartbeat_timeout:g}s)", job_id)
+
+
+def closed_error(what: str = "this DFlashClient") -> E.ClientClosedError:
+    return E.ClientClosedError("closed", f"{what} is closed: make a new client")
+
+
+def look_timeout(client_timeout: float, left: float | None) -> float:
+    """How long one status request of a result() wait may take: the client's timeout, but no
+    longer than the caller's time left, and never less than LOOK_S (so timeout=0 still looks)."""
+    return client_timeout if left is None else min(client_timeout, max(left, LOOK_S))
+
+
+LOOK_S = 1.0
+
+
+def finished(status: P.Status, endpoint: str) -> Result | None:
+    """The Result in a status reply (None while the job runs); the job's error is raised."""
+    if status.result is None:
+        return None
+    try:
+        reply = P.parse_reply(status.result)
+    except P.ProtocolError as e:
+        raise reply_error(e, endpoint) from None
+    if isinstance(reply, P.Error):
+        raise E.from_reply(reply)
+    return Result.from_done(reply)
+
+
+def waited_too_long(job_id: str, timeout: float) -> E.ClientTimeoutError:
+    return E.ClientTimeoutError("timeout", f"job {job_id} not finished in {timeout:g}s", job_id)
 
 
 def setup_curve(sock: zmq.Socket, cfg: DaemonConfig) -> None:
@@ -199,17 +274,19 @@ class DFlashClient:
     def __init__(self, endpoint: str | None = None, *, config: DaemonConfig | str | None = None,
                  timeout: float = 30.0, heartbeat_timeout: float = 1.5, retry_interval: float = 3.0):
         self.endpoint, self._cfg = client_config(endpoint, config)
-        self.timeout = timeout
-        self.heartbeat_timeout = heartbeat_timeout
-        self.retry_interval = retry_interval
+        self.timeout, self.heartbeat_timeout, self.retry_interval = client_timings(
+            timeout, heartbeat_timeout, retry_interval)
         self._rids = itertools.count(1)
         self._lock = threading.Lock()
         self._ctx: zmq.Context | None = None
         self._pid = 0
+        self._closed = False
 
     # ------------------------------------------------------------------ plumbing
     def _context(self) -> zmq.Context:
         with self._lock:
+            if self._closed:
+                raise closed_error()
             if self._ctx is None or self._pid != os.getpid():  # a forked child needs its own
                 self._ctx, self._pid = zmq.Context(), os.getpid()
             return self._ctx
@@ -218,8 +295,19 @@ class DFlashClient:
         sock = self._context().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         setup_curve(sock, self._cfg)
-        sock.connect(self.endpoint)
+        connect(sock, self.endpoint)
         return sock
+
+    @contextlib.contextmanager
+    def _unless_closed(self) -> Iterator[None]:
+        """Socket work that close() in another thread may cut short: that ends as
+        ClientClosedError, not as ZeroMQ's `Socket operation on non-socket`."""
+        try:
+            yield
+        except zmq.ZMQError:
+            if self._closed:
+                raise closed_error() from None
+            raise
 
     def _next_rid(self) -> int:
         with self._lock:
@@ -249,20 +337,21 @@ class DFlashClient:
                         raise E.from_reply(reply)
                     return reply
             if time.monotonic() >= end:
-                raise E.WorkerUnavailableError(
-                    "unavailable", f"no dflash worker answered at {self.endpoint} (is `dflashd start` running?)")
+                raise unavailable(self.endpoint)
 
     def _call(self, msg: Any, timeout: float | None = None) -> P.Reply:
         sock = self._socket()
         try:
-            return self._exchange(sock, msg, timeout)
+            with self._unless_closed():
+                return self._exchange(sock, msg, timeout)
         finally:
             sock.close(0)
 
     # ------------------------------------------------------------------ generation
     def stream(self, prompt: Any, **kw: Any) -> "Stream":
-        """Iterator of Delta; `.result` holds the Result once exhausted. Closing it early (or
-        leaving a `with` block, or the process dying) cancels the job."""
+        """Iterator of Delta; `.result` holds the Result once exhausted. The job is sent at the
+        first next(). Closing it early (or leaving a `with` block, or the process dying) cancels
+        the job."""
         return Stream(self, make_submit(prompt, stream=True, **kw))
 
     def generate(self, prompt: Any, **kw: Any) -> Result:
@@ -286,11 +375,11 @@ class DFlashClient:
     def cancel(self, job_id: str) -> dict:
         return self._call(P.Cancel(job_id=job_id)).data
 
-    def status(self, job_id: str) -> P.Status:
-        return self._call(P.JobStatus(job_id=job_id))
+    def status(self, job_id: str, timeout: float | None = None) -> P.Status:
+        return self._call(P.JobStatus(job_id=job_id), opt_seconds(timeout, "timeout"))
 
     def stats(self, timeout: float | None = None) -> dict:
-        return self._call(P.Stats(), timeout).data
+        return self._call(P.Stats(), opt_seconds(timeout, "timeout")).data
 
     def jobs(self) -> list[dict]:
         return self._call(P.Jobs()).data["jobs"]
@@ -299,7 +388,7 @@ class DFlashClient:
         return self._call(P.Models()).data["models"]
 
     def shutdown(self, timeout: float | None = None) -> dict:
-        return self._call(P.Shutdown(), timeout).data
+        return self._call(P.Shutdown(), opt_seconds(timeout, "timeout")).data
 
     # ------------------------------------------------------------------ position lists
     def put_positions(self, name: str, positions: Sequence[int]) -> dict:
@@ -318,7 +407,10 @@ class DFlashClient:
         return bool(self._call(P.DeletePositions(name=name)).data["deleted"])
 
     def close(self) -> None:
+        """Close every socket of this client, streams in other threads included (they raise
+        ClientClosedError); any later call raises ClientClosedError. Closing twice is fine."""
         with self._lock:
+            self._closed = True
             if self._ctx is not None and self._pid == os.getpid():
                 self._ctx.destroy(0)
             self._ctx = None
@@ -331,45 +423,58 @@ class DFlashClient:
 
 
 class Stream:
-    """One streamed job on its own socket: yields Delta, ends with `.result` set."""
+    """One streamed job on its own socket: an iterator of Delta that ends with `.result` set.
+    Nothing is sent and no socket is opened before the first next(), so a stream never iterated
+    holds nothing; once it has ended (or was closed) iterating it again yields nothing."""
 
     def __init__(self, client: DFlashClient, submit: P.Submit):
         self.client = client
         self.job_id = submit.job_id
         self.result: Result | None = None
         self.position = -1
-        self._sock = client._socket()
         self._submit = submit
+        self._sock: zmq.Socket | None = None
         self._started = False
         self._closed = False
+        self._events = self._run()
 
-    def __iter__(self) -> Iterator[Delta]:
-        return self._events()
+    def __iter__(self) -> "Stream":
+        return self
 
-    def _events(self) -> Iterator[Delta]:
+    def __next__(self) -> Delta:
+        return next(self._events)
+
+    def _run(self) -> Iterator[Delta]:
         c = self.client
+        self._sock = c._socket()
         try:
-            accepted = c._exchange(self._sock, self._submit, None)
-            self.position = accepted.position
-            self._started = True
-            rid = self._submit.rid
-            while True:
-                reply = c._recv(self._sock, c.heartbeat_timeout)
-                if reply is None:
-                    self._started = False  # the job outlives the worker: keep it, don't cancel it
-                    raise E.WorkerGoneError("worker_gone", f"the worker at {c.endpoint} stopped answering "
-                                            f"(no heartbeat for {c.heartbeat_timeout:g}s)", self.job_id)
-                if reply.rid != rid or isinstance(reply, (P.Heartbeat, P.Accepted)):
-                    continue
-                if isinstance(reply, P.Delta):
-                    yield Delta(reply.text, list(reply.token_ids), list(reply.from_draft))
-                elif isinstance(reply, P.Done):
-                    self.result = Result.from_done(reply)
-                    return
-                elif isinstance(reply, P.Error):
-                    raise E.from_reply(reply)
+            yield from self._replies(c, self._sock)
+        except zmq.ZMQError:  # the socket was closed under us, by close() in another thread
+            if not (self._closed or c._closed):
+                raise
+            raise closed_error("this stream" if self._closed else "its DFlashClient") from None
         finally:
-            self.close()
+            self._release()
+
+    def _replies(self, c: DFlashClient, sock: zmq.Socket) -> Iterator[Delta]:
+        accepted = c._exchange(sock, self._submit, None)
+        self.position = accepted.position
+        self._started = True
+        rid = self._submit.rid
+        while True:
+            reply = c._recv(sock, c.heartbeat_timeout)
+            if reply is None:
+                self._started = False  # the job outlives the worker: keep it, don't cancel it
+                raise worker_gone(c.endpoint, c.heartbeat_timeout, self.job_id)
+            if reply.rid != rid or isinstance(reply, (P.Heartbeat, P.Accepted)):
+                continue
+            if isinstance(reply, P.Delta):
+                yield Delta(reply.text, list(reply.token_ids), list(reply.from_draft))
+            elif isinstance(reply, P.Done):
+                self.result = Result.from_done(reply)
+                return
+            elif isinstance(reply, P.Error):
+                raise E.from_reply(reply)
 
     def cancel(self) -> None:
         if self._started and self.result is None:
@@ -379,11 +484,20 @@ class Stream:
                 pass  # already finished, or the worker is gone: nothing left to stop
 
     def close(self) -> None:
+        """Cancel the job if it is still running and free the socket; idempotent."""
+        try:
+            self._events.close()  # suspended: its `finally` releases; never started: nothing to
+        except ValueError:
+            pass  # running in another thread: the release below ends it there
+        self._release()
+
+    def _release(self) -> None:
         if self._closed:
             return
         self._closed = True
         self.cancel()
-        self._sock.close(0)
+        if self._sock is not None:
+            self._sock.close(0)
 
     def __enter__(self) -> "Stream":
         return self
@@ -407,16 +521,17 @@ class JobHandle:
         return self.client.cancel(self.job_id)
 
     def result(self, timeout: float | None = None, poll: float = 0.1) -> Result:
-        """Wait for the job (across worker restarts); raises the job's error if it failed."""
+        """Wait for the job (across worker restarts); raises the job's error if it failed.
+        `timeout` bounds the whole wait, its status requests included; 0 looks once.
+        ClientTimeoutError when the job is still unfinished then."""
+        timeout, poll = opt_seconds(timeout, "timeout", zero_ok=True), seconds(poll, "poll")
         end = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if end is None else end - time.monotonic()
+            st = self.client.status(self.job_id, look_timeout(self.client.timeout, left))
+            if (res := finished(st, self.client.endpoint)) is not None:
+                return res
+            left = None if end is None else end - time.monotonic()
             if left is not None and left <= 0:
-                raise E.ClientTimeoutError("timeout", f"job {self.job_id} not finished in {timeout:g}s", self.job_id)
-            st = self.client.status(self.job_id)
-            if st.result is not None:
-                reply = P.parse_reply(st.result)
-                if isinstance(reply, P.Error):
-                    raise E.from_reply(reply)
-                return Result.from_done(reply)
+                raise waited_too_long(self.job_id, timeout)
             time.sleep(poll if left is None else min(poll, left))

@@ -6,12 +6,14 @@ from dflash.daemon import protocol as P
 
 
 class DFlashError(Exception):
-    """Any failure answered by, or about, the daemon. `code` is the wire error code."""
+    """Any failure answered by, or about, the daemon. `code` is the wire error code; `param` the
+    request field it is about ("" when none)."""
 
-    def __init__(self, code: str, message: str, job_id: str = ""):
+    def __init__(self, code: str, message: str, job_id: str = "", param: str = ""):
         self.code = code
         self.message = message
         self.job_id = job_id
+        self.param = param
         super().__init__(self.describe())
 
     def describe(self, cli: str = "dflash-client") -> str:
@@ -69,6 +71,11 @@ class ClientTimeoutError(DFlashError):
     """The caller's own time limit ran out while waiting for a job."""
 
 
+class ClientClosedError(DFlashError):
+    """The client was closed (`close()`, or the end of its `with` block) before or during this
+    call: a closed client makes no new sockets, so nothing it opened outlives close()."""
+
+
 _BY_CODE = {
     P.BUSY: BusyError,
     P.BAD_REQUEST: BadRequestError,
@@ -81,8 +88,11 @@ _BY_CODE = {
     P.BAD_POSITIONS: BadRequestError,
     P.SPARSE_WITH_CACHE: BadRequestError,
     P.CACHE_UNAVAILABLE: CacheUnavailableError,
+    # the worker stopped under the job, which is kept and runs again once asked for: the same
+    # promise (and the same recovery, `client.job(id).result()`) as a worker that died
+    P.SHUTTING_DOWN: WorkerGoneError,
 }
 
 
 def from_reply(err: P.Error) -> DFlashError:
-    return _BY_CODE.get(err.code, JobFailedError)(err.code, err.message, err.job_id)
+    return _BY_CODE.get(err.code, JobFailedError)(err.code, err.message, err.job_id, err.param)

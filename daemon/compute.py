@@ -110,14 +110,15 @@ class Compute:
         req = job.request
         try:
             ids = self._prompt_ids(req)
-        except ValueError as e:
-            return P.Error(code=P.BAD_REQUEST, message=str(e), job_id=job.job_id), "error"
+        except ValueError as e:  # about the prompt, in whichever field the request gave it
+            field = next((f for f in ("token_ids", "messages", "text") if req.get(f) is not None), "text")
+            return P.Error(code=P.BAD_REQUEST, message=str(e), job_id=job.job_id, param=field), "error"
         positions = req.get("positions")
         sparse: dict[str, Any] = {}
         if positions is not None:
             if positions[-1] >= len(ids):
                 msg = f"position {positions[-1]} is outside the prompt of {len(ids)} tokens"
-                return P.Error(code=P.BAD_POSITIONS, message=msg, job_id=job.job_id), "error"
+                return P.Error(code=P.BAD_POSITIONS, message=msg, job_id=job.job_id, param="positions"), "error"
             sparse = {"prompt_tokens_override": [ids[p] for p in positions], "prompt_token_positions": positions}
         policy = req.get("cache") or ("bypass" if positions is not None else "use")
         # resolved when the job was accepted (version 3); a job persisted earlier has none
@@ -125,7 +126,7 @@ class Compute:
         try:  # the engine's own rule (a count up to the draft's block), before any work
             fixed_window(window, self.pair.drafter.block_size, plain_step_undoable(self.pair.target.make_cache()))
         except ValueError as e:
-            return P.Error(code=P.BAD_REQUEST, message=str(e), job_id=job.job_id), "error"
+            return P.Error(code=P.BAD_REQUEST, message=str(e), job_id=job.job_id, param="verify_window"), "error"
 
         def should_cancel() -> bool:
             if job.expired():

@@ -73,7 +73,7 @@ def api_error_from(e: E.DFlashError, req: S.GenRequest | None = None) -> S.ApiEr
     message = redact(e.message)
     if message != e.message:
         log.warning("daemon error %s answered as HTTP %d: %s", e.code, status, e.message)
-    param = S.request_param(e.message, req) if e.code in _FIELD_CODES else None
+    param = S.request_param(e.param or S.wire_field(e.message), req) if e.code in _FIELD_CODES else None
     return S.ApiError(status, _explain(e, message, req), kind, param, e.code)
 
 
@@ -82,7 +82,7 @@ def _explain(e: E.DFlashError, message: str, req: S.GenRequest | None) -> str:
     ran into, and that a max_tokens it never sent came from this server's default."""
     if e.code == P.TOO_LARGE:
         return f"the request is too large for the daemon (its max_frame_bytes): {message}; send a shorter prompt"
-    if req is not None and req.max_tokens_param is None and S.wire_field(e.message) == "max_tokens":
+    if req is not None and req.max_tokens_param is None and (e.param or S.wire_field(e.message)) == "max_tokens":
         return (f"{message}: the request set no max_tokens, and this server's --default-max-tokens is over the "
                 "daemon's max_tokens_limit; send max_tokens")
     return message

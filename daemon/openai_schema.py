@@ -205,7 +205,7 @@ def _check_count(body: dict, name: str, hint: str) -> None:
     if isinstance(v, bool) or not isinstance(v, int):
         raise bad(f"'{name}' must be an integer", name, "invalid_type")
     if v < 1:
-        raise bad(f"'{name}' must be >= 1, got {v}", name)
+        raise bad(f"'{name}' must be >= 1, got {_shown(v)}", name)
     if v > 1:
         raise bad(f"only {name}=1 is supported: {hint}", name, "unsupported_parameter")
 
@@ -246,7 +246,7 @@ def _sampling(body: dict, req: GenRequest) -> None:
             if name == "top_k" and v == -1:
                 v = 0
             if name == "top_k" and v > WIRE_INT_MAX:  # sampling_problem bounds seed; the wire bounds top_k
-                raise bad(f"top_k must be an integer in 0..2^64-1 (0 = off), got {v}", name)
+                raise bad(f"top_k must be an integer in 0..2^64-1 (0 = off), got {_shown(v)}", name)
         elif isinstance(v, bool) or not isinstance(v, (int, float)):
             raise bad(f"'{name}' must be a number", name, "invalid_type")
         setattr(req, name, float(v) if name in ("temperature", "top_p") else v)
@@ -288,9 +288,9 @@ def _positive_int(v: Any, name: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise bad(f"'{name}' must be an integer", name, "invalid_type")
     if v < 1:
-        raise bad(f"'{name}' must be an integer >= 1, got {v}", name)
+        raise bad(f"'{name}' must be an integer >= 1, got {_shown(v)}", name)
     if v > WIRE_INT_MAX:  # past anything the daemon can be sent (its max_tokens_limit is far lower)
-        raise bad(f"'{name}' is over the daemon's max_tokens_limit, got {v}", name)
+        raise bad(f"'{name}' is over the daemon's max_tokens_limit, got {_shown(v)}", name)
     return v
 
 
@@ -365,8 +365,15 @@ _LEADING_FIELD = re.compile(r"(max_tokens|temperature|top_p|top_k|seed|verify[_ 
 _PROMPT_WORDS = re.compile(r"\b(prompt|token ids?|messages?|frame of)\b", re.IGNORECASE)
 
 
+def _shown(v: object) -> str:
+    """A value for an error message, a huge number cut short (a 300-digit int is no help)."""
+    text = str(v)
+    return text if len(text) <= 24 else f"{text[:12]}... ({len(text)} digits)"
+
+
 def wire_field(message: str) -> str | None:
-    """The submit field a daemon error message is about, when it names one."""
+    """The submit field a daemon error message is about, when it names one: for a daemon that
+    predates the error reply's `param` (and the client's own size check, which has none)."""
     if m := _QUOTED_FIELD.search(message):
         return m.group(1)
     if m := _LEADING_FIELD.match(message):
@@ -376,10 +383,9 @@ def wire_field(message: str) -> str | None:
     return "prompt" if _PROMPT_WORDS.search(message) else None
 
 
-def request_param(message: str, req: GenRequest | None) -> str | None:
-    """The request's own name for the field a daemon error message is about (OpenAI's `param`):
-    the prompt is `messages` in a chat, max_tokens is whichever field set it."""
-    wire = wire_field(message)
+def request_param(wire: str | None, req: GenRequest | None) -> str | None:
+    """The request's own name for the submit field `wire` a daemon error is about (OpenAI's
+    `param`): the prompt is `messages` in a chat, max_tokens is whichever field set it."""
     prompt = "messages" if req is not None and req.kind == "chat" else "prompt"
     names = {"token_ids": prompt, "text": prompt, "messages": prompt, "system": prompt, "prompt": prompt,
              "max_tokens": (req.max_tokens_param if req else None) or "max_tokens",

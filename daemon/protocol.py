@@ -314,11 +314,15 @@ class Done:
 
 @dataclass
 class Error:
+    """`param`: the request field the error is about ("" when it is about none), so a client
+    (the gateway's OpenAI `param`) need not read it out of the message."""
+
     type: ClassVar[str] = "error"
     rid: int = 0
     code: str = INTERNAL
     message: str = ""
     job_id: str = ""
+    param: str = ""
 
 
 @dataclass
@@ -359,14 +363,16 @@ REPLIES: dict[str, type] = {c.type: c for c in (Accepted, Delta, Done, Error, St
 
 def to_map(msg: Any, version: int = VERSION) -> dict[str, Any]:
     """The wire map of a struct: version, op or type, then its fields in schema order. `version`
-    other than VERSION only for an `error` to a peer of an older version (same layout)."""
+    other than VERSION only for an `error` to a peer of an older version: its layout then, without
+    what version 3 appended (`param`)."""
     out: dict[str, Any] = {"v": version}
     if hasattr(msg, "op"):
         out["op"] = msg.op
     else:
         out["type"] = msg.type
     for f in dataclasses.fields(msg):
-        out[f.name] = getattr(msg, f.name)
+        if not (version < VERSION and isinstance(msg, Error) and f.name == "param"):
+            out[f.name] = getattr(msg, f.name)
     return out
 
 
@@ -421,15 +427,16 @@ def _build(cls: type, m: dict, envelope: tuple[str, ...], strict: bool = True) -
     if strict:
         extra = [k for k in m if k not in names and k not in envelope]
         if extra:
-            raise ProtocolError(BAD_REQUEST, f"unknown field(s) {sorted(map(str, extra))} for {cls.__name__}")
+            raise ProtocolError(BAD_REQUEST, f"unknown field(s) {sorted(map(str, extra))} for {cls.__name__}",
+                                param=str(extra[0]))
     kwargs = {}
     for name in names:
         if name in m:
             if not _matches(m[name], hints[name]):
-                raise ProtocolError(BAD_REQUEST, f"field {name!r} of {cls.__name__} has the wrong type")
+                raise ProtocolError(BAD_REQUEST, f"field {name!r} of {cls.__name__} has the wrong type", param=name)
             if strict and _may_nest(hints[name]) and _too_deep(m[name]):
                 raise ProtocolError(BAD_REQUEST, f"field {name!r} of {cls.__name__} is nested deeper than "
-                                    f"{MAX_NESTING} levels")
+                                    f"{MAX_NESTING} levels", param=name)
             kwargs[name] = m[name]
     return cls(**kwargs)
 

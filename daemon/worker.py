@@ -249,7 +249,7 @@ class Worker:
         except P.ProtocolError as e:
             self.counters["bad_frames"] += 1
             rid = codec.peek_rid(frames[1]) if len(frames) == 2 and e.code != P.TOO_LARGE else 0
-            err = P.Error(rid=rid, code=e.code, message=e.message)
+            err = P.Error(rid=rid, code=e.code, message=e.message, param=e.param or "")
             # An older client can only decode a reply of its own version: the error layout is
             # the same in every version, so it gets the mismatch as a typed error it can read.
             old = e.peer_version if type(e.peer_version) is int and e.peer_version in P.OLDER_VERSIONS else None
@@ -259,7 +259,7 @@ class Worker:
             reply = self._dispatch(ident, req)
         except P.ProtocolError as e:
             self.counters["bad_frames"] += 1
-            reply = P.Error(code=e.code, message=e.message, job_id=getattr(req, "job_id", ""))
+            reply = P.Error(code=e.code, message=e.message, job_id=getattr(req, "job_id", ""), param=e.param or "")
         except Exception as e:  # a bug here must not take the worker down
             log.exception("request failed")
             reply = P.Error(code=P.INTERNAL, message=f"{type(e).__name__}: {e}")
@@ -335,45 +335,47 @@ class Worker:
         return out
 
     def _validate(self, req: P.Submit) -> None:
-        def bad(msg: str) -> P.ProtocolError:
-            return P.ProtocolError(P.BAD_REQUEST, msg)
+        def bad(msg: str, param: str) -> P.ProtocolError:
+            return P.ProtocolError(P.BAD_REQUEST, msg, param=param)
 
         given = [n for n in ("text", "messages", "token_ids") if getattr(req, n) is not None]
         if len(given) != 1:
-            raise bad("exactly one of text, messages, token_ids is required")
+            raise bad("exactly one of text, messages, token_ids is required", given[1] if given else "text")
         if req.text is not None and not req.text.strip():
-            raise bad("empty prompt")
+            raise bad("empty prompt", "text")
         if req.messages is not None:
             if not req.messages:
-                raise bad("empty message list")
+                raise bad("empty message list", "messages")
             for m in req.messages:
                 if not (isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                    raise bad("each message needs string 'role' and 'content'")
+                    raise bad("each message needs string 'role' and 'content'", "messages")
         if req.token_ids is not None:
             if not req.token_ids:
-                raise bad("empty token_ids")
+                raise bad("empty token_ids", "token_ids")
             if len(req.token_ids) > self.cfg.max_prompt_tokens:
-                raise bad(f"{len(req.token_ids)} prompt tokens exceed max_prompt_tokens={self.cfg.max_prompt_tokens}")
+                raise bad(f"{len(req.token_ids)} prompt tokens exceed max_prompt_tokens={self.cfg.max_prompt_tokens}",
+                          "token_ids")
         if not 1 <= req.max_tokens <= self.cfg.max_tokens_limit:
-            raise bad(f"max_tokens must be in 1..{self.cfg.max_tokens_limit}, got {req.max_tokens}")
+            raise bad(f"max_tokens must be in 1..{self.cfg.max_tokens_limit}, got {req.max_tokens}", "max_tokens")
         if len(req.stop) > 16 or any(len(s) > 256 for s in req.stop):
-            raise bad("at most 16 stop sequences of at most 256 characters")
+            raise bad("at most 16 stop sequences of at most 256 characters", "stop")
         if not -1000 <= req.priority <= 1000:
-            raise bad("priority must be in -1000..1000")
+            raise bad("priority must be in -1000..1000", "priority")
         if req.timeout_s is not None and not req.timeout_s > 0:
-            raise bad("timeout_s must be > 0")
+            raise bad("timeout_s must be > 0", "timeout_s")
         P.check_submit(req)  # job id, token ids >= 0, sampling: the rules the clients check too
         self._validate_sparse(req)
 
     def _validate_sparse(self, req: P.Submit) -> None:
         if req.cache is not None and req.cache not in P.CACHE_POLICIES:
-            raise P.ProtocolError(P.BAD_REQUEST, f"cache must be one of {', '.join(P.CACHE_POLICIES)}, got {req.cache!r}")
+            raise P.ProtocolError(P.BAD_REQUEST, f"cache must be one of {', '.join(P.CACHE_POLICIES)}, got {req.cache!r}",
+                                  param="cache")
         if req.positions is not None and req.positions_name is not None:
-            raise P.ProtocolError(P.BAD_REQUEST, "give positions or positions_name, not both")
+            raise P.ProtocolError(P.BAD_REQUEST, "give positions or positions_name, not both", param="positions_name")
         sparse = req.positions is not None or req.positions_name is not None
         if sparse and req.cache in ("use", "refresh"):
             raise P.ProtocolError(P.SPARSE_WITH_CACHE, "sparse prefill cannot use the prefix cache (its caches "
-                                  "are position-scattered): leave cache unset or set it to \"bypass\"")
+                                  "are position-scattered): leave cache unset or set it to \"bypass\"", param="cache")
         if sparse and self.cfg.kv_bits:
             raise P.ProtocolError(P.BAD_REQUEST, "sparse prefill cannot be combined with kv_bits (worker setting)")
         if req.positions_name is not None:

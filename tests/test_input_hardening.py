@@ -49,9 +49,9 @@ BODIES_THAT_WERE_500 = [
     (CHAT, b"[" * 100_000, "invalid_json"),
     (CHAT, json.dumps({"messages": MSGS, "max_tokens": 2, "chat_template_kwargs": {"a": _nest(600)}}).encode(),
      "invalid_json"),
-    (COMPLETIONS, json.dumps({"prompt": "hi", "max_tokens": 10**20}).encode(), "bad_request"),
-    (COMPLETIONS, json.dumps({"prompt": [1, 10**20], "max_tokens": 2}).encode(), "bad_request"),
-    (COMPLETIONS, b'{"prompt": "hi", "max_tokens": 2, "top_k": 1e300}', "bad_request"),
+    (COMPLETIONS, json.dumps({"prompt": "hi", "max_tokens": 10**20}).encode(), "invalid_value"),
+    (COMPLETIONS, json.dumps({"prompt": [1, 10**20], "max_tokens": 2}).encode(), "invalid_value"),
+    (COMPLETIONS, b'{"prompt": "hi", "max_tokens": 2, "top_k": 1e300}', "invalid_value"),
     (CHAT, json.dumps({"messages": MSGS, "max_tokens": 2, "chat_template_kwargs": {"a": 2**70}}).encode(), "bad_request"),
 ]
 
@@ -64,6 +64,7 @@ def test_bodies_that_crashed_are_400s(gw, path, body, code):  # noqa: F811
     err = _error(status, raw)
     assert (status, err["code"]) == (400, code), err
     assert err["type"] == "invalid_request_error" and headers["content-type"].startswith("application/json")
+    assert len(err["message"]) < 200, err  # a huge number is cut short
 
 
 def test_other_bodies_and_headers_are_4xx_and_the_gateway_goes_on(gw):  # noqa: F811
@@ -203,10 +204,20 @@ def test_the_worker_matches_job_ids_whole(daemon):  # noqa: F811
         assert (reply["type"], reply.get("code"), reply["rid"]) == ("error", P.BAD_REQUEST, 7), reply
     deep = P.to_map(P.Submit(rid=8, text="hi", max_tokens=2, template_args={"a": _nest(100)}))
     reply = raw_request(daemon.endpoint, deep)  # was an `internal` error (the job store recursed)
-    assert (reply["type"], reply.get("code")) == ("error", P.BAD_REQUEST), reply
+    assert (reply["type"], reply.get("code"), reply["param"]) == ("error", P.BAD_REQUEST, "template_args"), reply
     # a negative token id: refused by the clients' rule (check_submit), not accepted to fail later
     neg = raw_request(daemon.endpoint, P.to_map(P.Submit(rid=5, token_ids=[1, -3], max_tokens=2, stream=False)))
     assert (neg["type"], neg.get("code")) == ("error", P.BAD_REQUEST) and ">= 0" in neg["message"], neg
+    assert neg["param"] == "token_ids"
+    # every error about one field names it (`param`), so no client reads it out of the message
+    for fields, param in (({"max_tokens": 10**6}, "max_tokens"), ({"priority": 5000}, "priority"),
+                          ({"stop": ["x"] * 17}, "stop"), ({"cache": "sometimes"}, "cache"),
+                          ({"temperature": -1.0}, "temperature")):
+        reply = raw_request(daemon.endpoint, {**P.to_map(P.Submit(rid=6, text="hi", max_tokens=2)), **fields})
+        assert (reply["type"], reply["param"]) == ("error", param), reply
+    with daemon.client(timeout=10) as c, pytest.raises(BadRequestError) as e:
+        c.generate("hi", max_tokens=10**6)
+    assert e.value.param == "max_tokens"
     for op in (P.Cancel, P.JobStatus):  # a malformed id is a bad request, not an unknown job
         for job_id in ("bad\n", "", "x" * 65, "a b"):
             reply = raw_request(daemon.endpoint, P.to_map(op(rid=9, job_id=job_id)))
