@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 import zmq
 import zmq.asyncio
@@ -15,27 +16,72 @@ from dflash.daemon import protocol as P
 from dflash.daemon.config import DaemonConfig
 
 from . import errors as E
-from .client import Delta, Result, answers, client_config, int_list, make_submit, reply_error, setup_curve
+from .client import (
+    Delta,
+    Result,
+    answers,
+    client_config,
+    client_timings,
+    closed_error,
+    connect,
+    finished,
+    int_list,
+    look_timeout,
+    make_submit,
+    opt_seconds,
+    reply_error,
+    seconds,
+    setup_curve,
+    unavailable,
+    waited_too_long,
+    worker_gone,
+)
+
+
+def _cancel_requested() -> bool:
+    """Whether the current task itself was cancelled (Python >= 3.11 can tell; before that, a
+    closed client's CancelledError is taken as the close's)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return cancelling is not None and cancelling() > 0
 
 
 class AsyncDFlashClient:
-    """One socket per call, as in the sync client; safe to use from many tasks at once."""
+    """One socket per call, as in the sync client; safe to use from many tasks at once.
+    `async with AsyncDFlashClient() as a:` closes it at the end of the block."""
 
     def __init__(self, endpoint: str | None = None, *, config: DaemonConfig | str | None = None,
                  timeout: float = 30.0, heartbeat_timeout: float = 1.5, retry_interval: float = 3.0):
         self.endpoint, self._cfg = client_config(endpoint, config)
-        self.timeout = timeout
-        self.heartbeat_timeout = heartbeat_timeout
-        self.retry_interval = retry_interval
+        self.timeout, self.heartbeat_timeout, self.retry_interval = client_timings(
+            timeout, heartbeat_timeout, retry_interval)
         self._ctx = zmq.asyncio.Context()
         self._rids = itertools.count(1)
+        self._closed = False
 
     def _socket(self) -> zmq.asyncio.Socket:
+        if self._closed:
+            raise closed_error("this AsyncDFlashClient")
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         setup_curve(sock, self._cfg)
-        sock.connect(self.endpoint)
+        connect(sock, self.endpoint)
         return sock
+
+    @contextlib.contextmanager
+    def _unless_closed(self) -> Iterator[None]:
+        """Socket work that close() cuts short ends as ClientClosedError: zmq.asyncio cancels
+        the pending receive, which reached a task nobody had cancelled as CancelledError."""
+        try:
+            yield
+        except zmq.ZMQError:
+            if self._closed:
+                raise closed_error("this AsyncDFlashClient") from None
+            raise
+        except asyncio.CancelledError:
+            if self._closed and not _cancel_requested():
+                raise closed_error("this AsyncDFlashClient") from None
+            raise
 
     async def _recv(self, sock: zmq.asyncio.Socket, timeout: float) -> P.Reply | None:
         if not await sock.poll(max(timeout, 0) * 1000):
@@ -60,12 +106,13 @@ class AsyncDFlashClient:
                         raise E.from_reply(reply)
                     return reply
             if time.monotonic() >= end:
-                raise E.WorkerUnavailableError("unavailable", f"no dflash worker answered at {self.endpoint}")
+                raise unavailable(self.endpoint)
 
     async def _call(self, msg: Any, timeout: float | None = None) -> P.Reply:
         sock = self._socket()
         try:
-            return await self._exchange(sock, msg, timeout)
+            with self._unless_closed():
+                return await self._exchange(sock, msg, timeout)
         finally:
             sock.close(0)
 
@@ -73,28 +120,30 @@ class AsyncDFlashClient:
         """Yields Delta objects, then the final Result; leaving early cancels the job."""
         sub = make_submit(prompt, stream=True, **kw)
         sock = self._socket()
-        finished = False
+        running = False  # accepted and not ended: only then is there a job to cancel
         try:
-            await self._exchange(sock, sub, None)
-            while True:
-                reply = await self._recv(sock, self.heartbeat_timeout)
-                if reply is None:
-                    finished = True  # the job outlives the worker: keep it, don't cancel it
-                    raise E.WorkerGoneError("worker_gone", f"the worker at {self.endpoint} stopped answering", sub.job_id)
-                if reply.rid != sub.rid or isinstance(reply, (P.Heartbeat, P.Accepted)):
-                    continue
-                if isinstance(reply, P.Delta):
-                    yield Delta(reply.text, list(reply.token_ids), list(reply.from_draft))
-                elif isinstance(reply, P.Done):
-                    finished = True
-                    yield Result.from_done(reply)
-                    return
-                elif isinstance(reply, P.Error):
-                    finished = True
-                    raise E.from_reply(reply)
+            with self._unless_closed():
+                await self._exchange(sock, sub, None)
+                running = True
+                while True:
+                    reply = await self._recv(sock, self.heartbeat_timeout)
+                    if reply is None:
+                        running = False  # the job outlives the worker: keep it, don't cancel it
+                        raise worker_gone(self.endpoint, self.heartbeat_timeout, sub.job_id)
+                    if reply.rid != sub.rid or isinstance(reply, (P.Heartbeat, P.Accepted)):
+                        continue
+                    if isinstance(reply, P.Delta):
+                        yield Delta(reply.text, list(reply.token_ids), list(reply.from_draft))
+                    elif isinstance(reply, P.Done):
+                        running = False
+                        yield Result.from_done(reply)
+                        return
+                    elif isinstance(reply, P.Error):
+                        running = False
+                        raise E.from_reply(reply)
         finally:
             sock.close(0)
-            if not finished:
+            if running:
                 try:
                     await self._call(P.Cancel(job_id=sub.job_id), timeout=2.0)
                 except (E.DFlashError, asyncio.CancelledError):
@@ -111,25 +160,31 @@ class AsyncDFlashClient:
         return (await self._call(make_submit(prompt, stream=False, **kw))).job_id
 
     async def result(self, job_id: str, timeout: float | None = None, poll: float = 0.1) -> Result:
+        """Wait for the job and return its Result, as JobHandle.result: `timeout` bounds the
+        whole wait, its status requests included; 0 looks once."""
+        timeout, poll = opt_seconds(timeout, "timeout", zero_ok=True), seconds(poll, "poll")
         end = None if timeout is None else time.monotonic() + timeout
-        while end is None or time.monotonic() < end:
-            st = await self._call(P.JobStatus(job_id=job_id))
-            if st.result is not None:
-                reply = P.parse_reply(st.result)
-                if isinstance(reply, P.Error):
-                    raise E.from_reply(reply)
-                return Result.from_done(reply)
-            await asyncio.sleep(poll)
-        raise E.ClientTimeoutError("timeout", f"job {job_id} not finished in {timeout:g}s", job_id)
+        while True:
+            left = None if end is None else end - time.monotonic()
+            st = await self.status(job_id, look_timeout(self.timeout, left))
+            if (res := finished(st, self.endpoint)) is not None:
+                return res
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                raise waited_too_long(job_id, timeout)
+            await asyncio.sleep(poll if left is None else min(poll, left))
 
     async def cancel(self, job_id: str) -> dict:
         return (await self._call(P.Cancel(job_id=job_id))).data
 
-    async def status(self, job_id: str) -> P.Status:
-        return await self._call(P.JobStatus(job_id=job_id))
+    async def status(self, job_id: str, timeout: float | None = None) -> P.Status:
+        return await self._call(P.JobStatus(job_id=job_id), opt_seconds(timeout, "timeout"))
 
-    async def stats(self) -> dict:
-        return (await self._call(P.Stats())).data
+    async def stats(self, timeout: float | None = None) -> dict:
+        return (await self._call(P.Stats(), opt_seconds(timeout, "timeout"))).data
+
+    async def shutdown(self, timeout: float | None = None) -> dict:
+        return (await self._call(P.Shutdown(), opt_seconds(timeout, "timeout"))).data
 
     async def jobs(self) -> list[dict]:
         return (await self._call(P.Jobs())).data["jobs"]
@@ -150,4 +205,12 @@ class AsyncDFlashClient:
         return bool((await self._call(P.DeletePositions(name=name))).data["deleted"])
 
     def close(self) -> None:
+        """Close every socket of this client; any later call raises ClientClosedError."""
+        self._closed = True
         self._ctx.destroy(0)
+
+    async def __aenter__(self) -> "AsyncDFlashClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.close()

@@ -47,6 +47,8 @@ class Result:
 
 @dataclass
 class Delta:
+    """New text of a streamed job, its token ids and, per id, whether the draft proposed it."""
+
     text: str
     token_ids: list[int] = field(default_factory=list)
     from_draft: list[bool] = field(default_factory=list)
@@ -201,8 +203,8 @@ def connect(sock: zmq.Socket, endpoint: str) -> None:
         sock.connect(endpoint)
     except zmq.ZMQError as e:
         sock.close(0)
-        raise E.BadRequestError("bad_endpoint", f"cannot connect to {endpoint!r} ({e.strerror}): an endpoint is "
-                                "ipc://PATH or tcp://HOST:PORT") from None
+        raise E.BadRequestError("bad_endpoint", f"cannot connect to {endpoint!r} ({zmq.strerror(e.errno)}): "
+                                "an endpoint is ipc://PATH or tcp://HOST:PORT") from None
 
 
 def unavailable(endpoint: str) -> E.WorkerUnavailableError:
@@ -219,13 +221,13 @@ def closed_error(what: str = "this DFlashClient") -> E.ClientClosedError:
     return E.ClientClosedError("closed", f"{what} is closed: make a new client")
 
 
+LOOK_S = 1.0
+
+
 def look_timeout(client_timeout: float, left: float | None) -> float:
     """How long one status request of a result() wait may take: the client's timeout, but no
     longer than the caller's time left, and never less than LOOK_S (so timeout=0 still looks)."""
     return client_timeout if left is None else min(client_timeout, max(left, LOOK_S))
-
-
-LOOK_S = 1.0
 
 
 def finished(status: P.Status, endpoint: str) -> Result | None:
@@ -269,7 +271,8 @@ def answers(reply: P.Reply | None, rid: int) -> bool:
 
 class DFlashClient:
     """Sync client. `timeout`: how long to wait for the worker to answer a request (it may be
-    starting or restarting); `heartbeat_timeout`: silence that means the worker died mid-job."""
+    starting or restarting); `heartbeat_timeout`: silence that means the worker died mid-job.
+    Close it (or use `with DFlashClient() as c:`) when done; later calls raise ClientClosedError."""
 
     def __init__(self, endpoint: str | None = None, *, config: DaemonConfig | str | None = None,
                  timeout: float = 30.0, heartbeat_timeout: float = 1.5, retry_interval: float = 3.0):
@@ -425,7 +428,8 @@ class DFlashClient:
 class Stream:
     """One streamed job on its own socket: an iterator of Delta that ends with `.result` set.
     Nothing is sent and no socket is opened before the first next(), so a stream never iterated
-    holds nothing; once it has ended (or was closed) iterating it again yields nothing."""
+    holds nothing; once it has ended (or was closed) iterating it again yields nothing. A plain
+    iterator, not a generator holding the stream: dropping it (a `break`) releases it at once."""
 
     def __init__(self, client: DFlashClient, submit: P.Submit):
         self.client = client
@@ -436,44 +440,48 @@ class Stream:
         self._sock: zmq.Socket | None = None
         self._started = False
         self._closed = False
-        self._events = self._run()
 
     def __iter__(self) -> "Stream":
         return self
 
     def __next__(self) -> Delta:
-        return next(self._events)
-
-    def _run(self) -> Iterator[Delta]:
-        c = self.client
-        self._sock = c._socket()
+        if self._closed:
+            raise StopIteration
         try:
-            yield from self._replies(c, self._sock)
-        except zmq.ZMQError:  # the socket was closed under us, by close() in another thread
-            if not (self._closed or c._closed):
-                raise
-            raise closed_error("this stream" if self._closed else "its DFlashClient") from None
-        finally:
-            self._release()
+            delta = self._next_delta()
+        except BaseException as e:
+            # a socket closed under us, by close() in another thread: say so, not ZMQError's words
+            cut = isinstance(e, zmq.ZMQError) and (self._closed or self.client._closed)
+            what = "this stream" if self._closed else "its DFlashClient"
+            self.close()
+            if cut:
+                raise closed_error(what) from None
+            raise
+        if delta is None:
+            self.close()
+            raise StopIteration
+        return delta
 
-    def _replies(self, c: DFlashClient, sock: zmq.Socket) -> Iterator[Delta]:
-        accepted = c._exchange(sock, self._submit, None)
-        self.position = accepted.position
-        self._started = True
-        rid = self._submit.rid
+    def _next_delta(self) -> Delta | None:
+        """The next Delta; None once the job is done (`.result` set)."""
+        c = self.client
+        if self._sock is None:
+            self._sock = c._socket()
+            self.position = c._exchange(self._sock, self._submit, None).position
+            self._started = True
         while True:
-            reply = c._recv(sock, c.heartbeat_timeout)
+            reply = c._recv(self._sock, c.heartbeat_timeout)
             if reply is None:
                 self._started = False  # the job outlives the worker: keep it, don't cancel it
                 raise worker_gone(c.endpoint, c.heartbeat_timeout, self.job_id)
-            if reply.rid != rid or isinstance(reply, (P.Heartbeat, P.Accepted)):
+            if reply.rid != self._submit.rid or isinstance(reply, (P.Heartbeat, P.Accepted)):
                 continue
             if isinstance(reply, P.Delta):
-                yield Delta(reply.text, list(reply.token_ids), list(reply.from_draft))
-            elif isinstance(reply, P.Done):
+                return Delta(reply.text, list(reply.token_ids), list(reply.from_draft))
+            if isinstance(reply, P.Done):
                 self.result = Result.from_done(reply)
-                return
-            elif isinstance(reply, P.Error):
+                return None
+            if isinstance(reply, P.Error):
                 raise E.from_reply(reply)
 
     def cancel(self) -> None:
@@ -485,19 +493,18 @@ class Stream:
 
     def close(self) -> None:
         """Cancel the job if it is still running and free the socket; idempotent."""
-        try:
-            self._events.close()  # suspended: its `finally` releases; never started: nothing to
-        except ValueError:
-            pass  # running in another thread: the release below ends it there
-        self._release()
-
-    def _release(self) -> None:
         if self._closed:
             return
         self._closed = True
         self.cancel()
         if self._sock is not None:
             self._sock.close(0)
+
+    def __del__(self) -> None:
+        """A stream dropped mid-job (a `break` out of its loop) cancels the job, as documented."""
+        if not getattr(self, "_closed", True):
+            with contextlib.suppress(Exception):
+                self.close()
 
     def __enter__(self) -> "Stream":
         return self
