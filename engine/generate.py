@@ -91,7 +91,7 @@ def stream_dflash_generate(
     prompt: str | Sequence[int],
     max_tokens: int = 256,
     *,
-    stop: Sequence[str] = (),
+    stop: str | Sequence[str] = (),
     prefill_chunk: int = 2048,
     kv_bits: int | None = None,
     kv_group_size: int = 64,
@@ -160,14 +160,19 @@ def stream_dflash_generate(
         prompt = list(prompt_tokens_override)
         positions = list(prompt_token_positions)
         sparse.validate(prompt, positions)
-    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    ids = prompt_ids(tokenizer, prompt, target.vocab_size)
     if not ids:
         raise ValueError("empty prompt: at least one token is needed")
+    stop = [stop] if isinstance(stop, str) else list(stop)  # one stop string, as the clients take it
+    if not all(isinstance(s, str) for s in stop):
+        raise TypeError("stop must be a string or a list of strings")
     forced = None  # the teacher's ids (past their end: the target's own choice)
     if teacher is not None:
         if not params.greedy or positions is not None:
             raise ValueError("a teacher's ids time greedy runs over a dense prompt only")
         forced = mx.array([*teacher, -1], dtype=mx.int32)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        raise TypeError(f"max_tokens must be an int, got {type(max_tokens).__name__} {max_tokens!r}")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if prefill_chunk < 1:
@@ -413,6 +418,24 @@ def stream_dflash_generate(
     stats.finish_reason = reason
     yield from out.drain(final=True)
     yield Finished(out.text, list(out.ids), stats)
+
+
+def prompt_ids(tokenizer: Any, prompt: str | Sequence[int], vocab_size: int) -> list[int]:
+    """The prompt as token ids: a str encoded, a sequence of ints checked against the target's
+    vocabulary (an id past it crashed MLX's embedding lookup: a segfault, not an error)."""
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt))
+    if isinstance(prompt, (bytes, bytearray)):
+        raise TypeError("a prompt is a str or a sequence of token ids, not bytes (decode it first)")
+    ids = []
+    for t in prompt:
+        if isinstance(t, bool) or not hasattr(t, "__index__"):
+            raise TypeError(f"token ids must be ints, got {type(t).__name__} {t!r}")
+        t = t.__index__()
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"token id {t} is outside the vocabulary (0..{vocab_size - 1})")
+        ids.append(t)
+    return ids
 
 
 def sampling_line(sampling: dict[str, Any]) -> str:

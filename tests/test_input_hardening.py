@@ -269,3 +269,36 @@ def test_a_plain_window_on_a_sliding_window_target_is_a_bad_request(tiny_dirs):
             assert len(c.generate("hello", max_tokens=4).token_ids) >= 1
     finally:
         daemon_.stop()
+
+
+def test_the_library_checks_what_it_is_handed(pairs):
+    """stream_dflash_generate: an id past the vocabulary was a segfault in MLX's embedding
+    lookup, a negative one an OverflowError, bytes were taken as ids, max_tokens 2.5 ran, a
+    stop string was split into characters. Each is a clear error now (or, one stop string,
+    taken whole)."""
+    from dflash.engine.generate import stream_dflash_generate
+
+    pair = pairs("qwen3")
+    v = pair.target.vocab_size
+
+    def run(prompt, max_tokens=4, **kw):
+        return list(stream_dflash_generate(pair.target, pair.drafter, pair.tokenizer, prompt, max_tokens, **kw))
+
+    for prompt, err, msg in (([v], ValueError, "outside the vocabulary"), ([2**70], ValueError, "outside"),
+                             ([-1], ValueError, "outside"), (b"Hi", TypeError, "not bytes"),
+                             ([1, "2"], TypeError, "must be ints"), ([True], TypeError, "must be ints")):
+        with pytest.raises(err, match=msg):
+            run(prompt)
+    for bad in (2.5, True, "4"):
+        with pytest.raises(TypeError, match="max_tokens must be an int"):
+            run([1, 2, 3], bad)
+    with pytest.raises(TypeError, match="stop must be"):
+        run([1, 2, 3], stop=[1])
+    saved, pair.tokenizer.eos_token_ids = pair.tokenizer.eos_token_ids, set()
+    try:
+        whole = run("Once upon a time", 40, stop="zzzzqq ")[-1]
+        free = run("Once upon a time", 40)[-1]
+        split = run("Once upon a time", 40, stop=list("zzzzqq "))[-1]
+    finally:
+        pair.tokenizer.eos_token_ids = saved
+    assert whole.token_ids == free.token_ids and split.text != free.text  # the split one stops early
