@@ -376,7 +376,6 @@ def stream_dflash_generate(
             stats.plain_steps += cyc.block_len == 1
             stats.accept_histogram[accepted] += 1
             stats.copy_cycles += cyc.copied
-            stats.copy_accepted += accepted if cyc.copied else 0
             stats.branch_cycles += cyc.rows > 1
             stats.branch_wins += cyc.rows > 1 and values[-1] != 0
             window.observe(cyc.block_len, accepted, cycle_s, cyc.copied, cyc.whole_block)
@@ -385,7 +384,9 @@ def stream_dflash_generate(
             new = values[1 : 1 + n_keep]
             if proposer is not None:
                 proposer.extend(new)
+            handed = out.drafted
             done = out.push(new, [True] * accepted + [False], eos, max_tokens)
+            stats.copy_accepted += out.drafted - handed if cyc.copied else 0  # as accepted_drafts counts
             pos += n_keep
             if not done and not ahead:
                 inflight = launch(cyc.tokens[accepted], pos, ready)
