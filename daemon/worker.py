@@ -259,7 +259,9 @@ class Worker:
             reply = self._dispatch(ident, req)
         except P.ProtocolError as e:
             self.counters["bad_frames"] += 1
-            reply = P.Error(code=e.code, message=e.message, job_id=getattr(req, "job_id", ""), param=e.param or "")
+            # a refused submit queued nothing: no job id to name (its error would point at none)
+            job_id = "" if isinstance(req, P.Submit) else getattr(req, "job_id", "")
+            reply = P.Error(code=e.code, message=e.message, job_id=job_id, param=e.param or "")
         except Exception as e:  # a bug here must not take the worker down
             log.exception("request failed")
             reply = P.Error(code=P.INTERNAL, message=f"{type(e).__name__}: {e}")

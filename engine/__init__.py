@@ -11,13 +11,25 @@ reads each once, at its first GPU attention call or commit: import dflash.engine
 any model, or export the variables yourself.
 """
 
+import importlib
+from typing import Any
+
 from .accel import use_cuda_env
 
-use_cuda_env()  # before .generate imports mlx; a user's explicit value wins
+use_cuda_env()  # before anything imports mlx; a user's explicit value wins
 
-from .generate import Finished, GenerationStats, TokenDelta, stream_dflash_generate  # noqa: E402
-from .loading import Pair, load_pair  # noqa: E402
-from .sampling import SamplingParams  # noqa: E402
+# The API, imported on first use (PEP 562): importing the package stays light (no MLX, no
+# mlx-lm), so the `dflash` command can start under its Ctrl-C guard (launch.py).
+_API = {"Finished": ".generate", "GenerationStats": ".generate", "TokenDelta": ".generate",
+        "stream_dflash_generate": ".generate", "Pair": ".loading", "load_pair": ".loading",
+        "SamplingParams": ".sampling"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _API:
+        return getattr(importlib.import_module(_API[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Finished",

@@ -171,3 +171,23 @@ def test_ctrl_c_with_json_still_prints_the_json(tiny: Path) -> None:
     data = json.loads(out)
     assert data["stats"]["finish_reason"] == "cancelled"
     assert data["stats"]["generated_tokens"] == len(data["token_ids"]) > 0
+
+
+def test_an_early_ctrl_c_says_cancelled_not_a_traceback(monkeypatch, capsys) -> None:
+    """A Ctrl-C while the `dflash` command is still importing MLX and mlx-lm (its first second):
+    "cancelled", exit 130, no traceback (engine/launch.py, the console script's entry). The
+    interrupt is delivered inside the import itself, as a real one lands there."""
+    import types
+
+    from dflash.engine import launch
+
+    class Interrupting(types.ModuleType):
+        def __getattr__(self, name: str):
+            raise KeyboardInterrupt
+
+    monkeypatch.setitem(sys.modules, "dflash.engine.cli", Interrupting("dflash.engine.cli"))
+    with pytest.raises(SystemExit) as e:
+        launch.main()
+    assert e.value.code == 130 and capsys.readouterr().err == "cancelled\n"
+    script = Path(sys.executable).parent / "dflash"  # the installed command goes through it
+    assert "dflash.engine.launch" in script.read_text()

@@ -213,8 +213,9 @@ def test_the_worker_matches_job_ids_whole(daemon):  # noqa: F811
     for fields, param in (({"max_tokens": 10**6}, "max_tokens"), ({"priority": 5000}, "priority"),
                           ({"stop": ["x"] * 17}, "stop"), ({"cache": "sometimes"}, "cache"),
                           ({"temperature": -1.0}, "temperature")):
-        reply = raw_request(daemon.endpoint, {**P.to_map(P.Submit(rid=6, text="hi", max_tokens=2)), **fields})
-        assert (reply["type"], reply["param"]) == ("error", param), reply
+        reply = raw_request(daemon.endpoint, {**P.to_map(P.Submit(rid=6, job_id="refused-1", text="hi",
+                                                                   max_tokens=2)), **fields})
+        assert (reply["type"], reply["param"], reply["job_id"]) == ("error", param, ""), reply  # nothing queued
     with daemon.client(timeout=10) as c, pytest.raises(BadRequestError) as e:
         c.generate("hi", max_tokens=10**6)
     assert e.value.param == "max_tokens"
