@@ -70,9 +70,11 @@ def _run(code: str, env: dict[str, str], cwd: Path, module: str | None = None) -
 
 @linux_only
 def test_import_sets_it_before_mlx_is_imported(tmp_path: Path) -> None:
-    code = ("import sys, os; import dflash.engine; "
+    # importing the package sets them and stays light (its API is imported on first use)
+    code = ("import sys, os; import dflash.engine; light = 'mlx.core' not in sys.modules; "
+            "from dflash.engine import load_pair; "
             "print(os.environ.get('MLX_CUDA_USE_CUDNN_SDPA'), os.environ.get('MLX_USE_CUDA_GRAPHS'),"
-            " 'mlx.core' in sys.modules)")
+            " light and 'mlx.core' in sys.modules)")
     assert _run(code, _env(), tmp_path) == "0 0 True"
     assert _run(code, _env(MLX_CUDA_USE_CUDNN_SDPA="1", MLX_USE_CUDA_GRAPHS="1"), tmp_path) == "1 1 True"
     # the value is in place when mlx is first imported (engine/__init__ applies it first thing)
@@ -82,7 +84,8 @@ def test_import_sets_it_before_mlx_is_imported(tmp_path: Path) -> None:
             "        if name == 'mlx': print('at mlx import:', os.environ.get('MLX_CUDA_USE_CUDNN_SDPA'),"
             " os.environ.get('MLX_USE_CUDA_GRAPHS'))\n"
             "sys.meta_path.insert(0, Spy())\n"
-            "import dflash.engine\n")
+            "import dflash.engine\n"
+            "from dflash.engine import stream_dflash_generate\n")
     assert _run(code, _env(), tmp_path) == "at mlx import: 0 0"
 
 
