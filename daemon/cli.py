@@ -64,21 +64,26 @@ def _supervisor_pid(cfg: DaemonConfig) -> int | None:
     return supervisor.live_pid(cfg.runtime_path())
 
 
+def _child_state(cfg: DaemonConfig, sup_pid: int | None, name: str) -> dict:
+    """The supervisor `sup_pid`'s entry for its child `name` in supervisor.json ({}: none, or
+    the file is a dead predecessor's)."""
+    state = supervisor.read_state(cfg.runtime_path())
+    child = state.get("children", {}).get(name) if sup_pid and state.get("supervisor_pid") == sup_pid else None
+    return child if isinstance(child, dict) else {}
+
+
 def _worker_restarts(cfg: DaemonConfig, sup_pid: int) -> int:
     """Worker restarts so far under the supervisor `sup_pid` (not under a dead predecessor)."""
-    state = supervisor.read_state(cfg.runtime_path())
     try:
-        return int(state["children"]["worker"]["restarts"]) if state.get("supervisor_pid") == sup_pid else 0
-    except (KeyError, TypeError, ValueError):
+        return int(_child_state(cfg, sup_pid, "worker").get("restarts", 0))
+    except (TypeError, ValueError):
         return 0
 
 
 def _child_error(cfg: DaemonConfig, sup_pid: int | None, name: str) -> str | None:
     """The reason the supervisor `sup_pid`'s child `name` gave when it last exited (None: none,
     or no such supervisor running)."""
-    state = supervisor.read_state(cfg.runtime_path())
-    child = state.get("children", {}).get(name) if sup_pid and state.get("supervisor_pid") == sup_pid else None
-    error = child.get("last_error") if isinstance(child, dict) else None
+    error = _child_state(cfg, sup_pid, name).get("last_error")
     return error if isinstance(error, str) and error else None
 
 

@@ -198,13 +198,11 @@ class Compute:
         return self.window_memory.setdefault(greedy, WindowMemory())
 
     def _prompt_ids(self, req: dict) -> list[int]:
+        from dflash.engine.generate import prompt_ids
         from dflash.engine.prompting import build_prompt
 
         if req.get("token_ids") is not None:
-            ids = list(req["token_ids"])
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"token id {bad[0]} outside the vocabulary (0..{self.vocab_size - 1})")
+            ids = prompt_ids(self.pair.tokenizer, req["token_ids"], self.vocab_size)
         else:
             prompt = req.get("messages") if req.get("messages") is not None else req.get("text")
             ids = build_prompt(self.pair.tokenizer, prompt, system=req.get("system"), raw=bool(req.get("raw")),

@@ -194,6 +194,12 @@ def alternate_positions(q: mx.array, rows: int) -> mx.array:
     return mx.sort(pick // extra).astype(mx.int32)
 
 
+def redrawn_positions(rows: mx.array) -> mx.array:
+    """The position each row r >= 1 of draw_rows' rows [R, n] redrew (in row order): the one
+    where it differs from row 0, since a redraw never repeats a token drawn there before."""
+    return mx.argmax(rows[1:] != rows[:1], axis=-1).astype(mx.int32)
+
+
 def sampled_rows(q: mx.array, rows: int, key: mx.array) -> mx.array:
     """Draft ids [rows, n] drawn from q [n, V] with the extra draws at alternate_positions(q)."""
     if rows == 1:

@@ -243,11 +243,12 @@ def stream_dflash_generate(
 
     def rows_at(p: int, k: int) -> dict[str, int]:
         """The rows a k-token verify at cache position p takes (propose's keyword)."""
+        nonlocal by_rows
         if k < MIN_WIDTH or not by_rows:
             return {}
         if not branches_mod.rows_fit(branch_rows, p + k, kv_per_token, row_budget):
-            rollback.one_row(caches)  # past the budget for good (the cache only grows)
-            return {}
+            by_rows = {}  # past the budget for good (the cache only grows)
+            rollback.one_row(caches)
         return by_rows
     # Copy drafting's lookup over the prompt and every committed token (host-side ids, known at
     # each cycle's one host read); plain decoding (window 1) never copies.

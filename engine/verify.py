@@ -6,8 +6,8 @@ ops, so the cycle needs a single host read (the summary array: accepted count + 
 ids) and nothing scales with the vocabulary in Python.
 
 Drafts may come as several rows [R, k-1] (engine/branches.py; sampled ones only with
-DFLASH_SAMPLED_ROWS=1): the target scores all R blocks in one batched pass over caches in R rows (rollback.into_rows), and the row accepted furthest is
-kept (row 0 on ties) -- its tokens, its features, its cache row -- all chosen on the device, so
+DFLASH_SAMPLED_ROWS=1): the target scores all R blocks in one batched pass over caches in R
+rows (rollback.into_rows), and the row accepted furthest is kept (row 0 on ties) -- its tokens, its features, its cache row -- all chosen on the device, so
 to the caller the cycle looks like one verify of that row.
 """
 
@@ -128,7 +128,7 @@ def verify_rows(target: TargetModel, caches: list[Any], anchor: mx.array, drafts
         accepted, tokens = accepted[best], greedy[best]
     else:
         p = sampling_mod.probs(logits, sampling)
-        alternates = branches.alternate_positions(q, rows)
+        alternates = branches.redrawn_positions(drafts)
         accepted, tokens, best = sampling_mod.accept_rows(p, block[:, 1:], q, alternates, key)
     rollback.keep_row(caches, best, width)
     features = mx.take(features, best.reshape(1), axis=0)
