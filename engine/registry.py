@@ -58,8 +58,12 @@ def hf_cache_dir(repo: str) -> Path | None:
 
 def resolve_draft(target: str, search_dirs: list[Path] | None = None, model_dir: str | Path | None = None) -> Path:
     """Find the draft for `target` (its name as typed: a path or a repo id) without the network,
-    or explain how to get one; `model_dir`: where the model is (default `target`), whose shape
-    finds a bundled draft when the name does not."""
+    or explain how to get one; `model_dir`: where the model is (default `target`). Looked for in
+    turn: the model folder's own draft/, drafts named after the model (search_dirs, DFLASH_DRAFTS,
+    the bundled ones), a bundled draft of the model's shape, the HF cache."""
+    inner = Path(model_dir or target) / "draft"  # beside the model, as `dflash make-tiny` writes it
+    if (inner / "config.json").is_file():
+        return inner
     base = _base_name(target).lower()
     repo = next((r for t, r in KNOWN_PAIRS.items() if t.lower() == base), None)
     dirs = list(search_dirs or [])

@@ -81,6 +81,17 @@ def test_the_bundled_draft_is_found_for_its_target_under_any_folder_name(tmp_pat
         registry.resolve_draft(str(tmp_path / "other"))
 
 
+def test_a_draft_inside_the_model_folder_is_found_without_draft(tiny_dirs, tmp_path):
+    # `dflash make-tiny DIR` writes DIR/draft: `generate --model DIR` alone must find it
+    model = tmp_path / "tiny"
+    shutil.copytree(tiny_dirs["qwen3"], model)
+    assert registry.resolve_draft(str(model)) == model / "draft"
+    r = CliRunner(env={"DFLASH_BLAS": "none"}).invoke(
+        main, ["generate", "--model", str(model), "--raw", "-p", "Once upon a time", "-m", "6"])
+    assert r.exit_code == 0, r.output
+    assert "tok/s" in r.output or "tokens" in r.output, r.output
+
+
 def test_ctrl_c_in_generate_exits_130_and_says_cancelled(tiny_dirs, tmp_path):
     model = tmp_path / "tiny"
     shutil.copytree(tiny_dirs["qwen3"], model)
