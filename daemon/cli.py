@@ -277,6 +277,10 @@ def status(config_path, as_json, **flags):
         click.echo(f"  accelerator: {st['accel']}")
         click.echo(f"  queue: {st['queued']} waiting (max {st['max_queue']}), running {st['running']},"
                    f" {st.get('held', 0)} held (streamed jobs whose client left: `dflash-client result ID` runs one)")
+        if "limits" in st:  # workers before session 31 do not report them
+            lim = st["limits"]
+            click.echo(f"  limits: max_tokens {lim['max_tokens_limit']}, prompt {lim['max_prompt_tokens']} tokens,"
+                       f" request {lim['max_frame_bytes'] >> 10} KiB, {lim['max_attempts']} attempts a job")
         click.echo(f"  jobs: {st['jobs_done']} done, {st['jobs_failed']} failed, {st['jobs_cancelled']} cancelled;"
                    f" {st['tokens_generated']} tokens; {st['bad_frames']} bad frames")
         lines = cache_lines(st.get("cache"))

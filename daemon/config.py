@@ -33,6 +33,10 @@ class ConfigError(ValueError):
     stops the daemon and exits 2 as for any other bad setting."""
 
 
+# What the daemon refuses past (each >= 1); `stats.limits` reports them so clients can fit requests.
+LIMIT_FIELDS = ("max_queue", "max_tokens_limit", "max_prompt_tokens", "max_frame_bytes", "max_attempts")
+
+
 @dataclass
 class DaemonConfig:
     # model pair
@@ -149,7 +153,7 @@ class DaemonConfig:
             raise ValueError(problem)
         if self.blas not in ("auto", "mkl", "none"):
             raise ValueError(f"blas must be auto, mkl or none, got {self.blas!r}")
-        for name in ("max_queue", "max_tokens_limit", "max_prompt_tokens", "max_frame_bytes", "max_attempts"):
+        for name in LIMIT_FIELDS:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         from .protocol import sampling_problem, verify_window_problem

@@ -46,7 +46,7 @@ from dflash.engine.window import confidence_windows, wide_windows
 from . import caching, codec, lifeline, paths
 from . import protocol as P
 from .compute import Compute
-from .config import DaemonConfig, load_config
+from .config import LIMIT_FIELDS, DaemonConfig, load_config
 from .supervisor import write_exit_reason
 from .queue import Job, JobQueue
 from .store import JobStore
@@ -457,6 +457,7 @@ class Worker:
             "queued": self.jobs.queued_count(),
             "running": running.job_id if running else None,
             "max_queue": self.cfg.max_queue,
+            "limits": {k: getattr(self.cfg, k) for k in LIMIT_FIELDS},
             "held": len(self.held),
             "job_store": self.store.notes(),  # damaged job stores moved aside and still kept
             "l2_cache": "up" if cache["l2_up"] else "down" if self.cfg.cache else "off",

@@ -50,6 +50,8 @@ def test_start_status_stop(tiny_pair, dirs):  # noqa: F811
         assert accel.startswith("mkl") if (mkl and sys.platform == "linux") else accel
         with DFlashClient(st["endpoint"], timeout=20) as c:
             assert len(c.generate(PROMPTS[0], max_tokens=5).token_ids) == 5
+        text = _dflashd("status", *flags).stdout  # the limits a request must fit, in words
+        assert "limits: max_tokens 8192, prompt 32768 tokens, request 1024 KiB, 3 attempts a job" in text, text
         logs = _dflashd("logs", "-n", "20", *flags)
         assert "listening on" in logs.stdout
     finally:

@@ -102,6 +102,9 @@ def test_bad_sampling_values_are_refused_and_the_daemon_survives(client, daemon)
     st = client.stats()
     assert st["pid"] == pid and st["state"] == "ready" and st["protocol"] == P.VERSION
     assert st["generation"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "verify_window": "full"}
+    # the limits a client fits its requests to (the daemon fixture's config, as it runs)
+    assert st["limits"] == {k: getattr(daemon.cfg, k) for k in
+                            ("max_queue", "max_tokens_limit", "max_prompt_tokens", "max_frame_bytes", "max_attempts")}
     assert len(client.generate(PROMPT, max_tokens=4, **SAMPLED).token_ids) == 4  # still serving
 
 
