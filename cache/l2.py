@@ -15,7 +15,9 @@ A put with ack=False gets no reply (write-behind from the worker). Bad frames ge
 Snapshots are other users' prompts' KV state: everything this process creates is private (umask
 077; the store directories are chmod 0700 even when they already existed). A damaged store is
 moved aside and recreated at start-up (cache/repair.py); damage found while serving ends the
-process so that its restart does that. Each of these exits (1: restart me, 2: a cache_dir a
+process so that its restart does that, and so does a store removed or replaced under it (`rm -rf
+cache_dir`: writes would go on into the deleted database). Eviction is exact: before a write, the
+least recently used entries it needs room from, never the entry itself. Each of these exits (1: restart me, 2: a cache_dir a
 restart won't fix, 3: another cache process holds the store) leaves its reason for a supervisor
 (daemon/supervisor.py `write_exit_reason`), which shows it in `dflashd start` and `status`.
 """
@@ -49,6 +51,7 @@ DEFAULT_MAX_MESSAGE = 16 << 30
 MAX_POSITIONS = 1 << 22
 MAX_NAME = 200
 SNAP_PREFIX = "snap:"
+_LRU = "SELECT key FROM Cache WHERE key != ? ORDER BY access_time LIMIT 10"
 # Errors opening cache_dir that may pass (space freed, descriptors closed): a restart may help.
 _PASSING = {errno.ENOSPC, errno.EDQUOT, errno.EMFILE, errno.ENFILE, errno.ENOMEM}
 
@@ -84,7 +87,9 @@ class Store:
             disk=BytesOnlyDisk,
             size_limit=size_limit,
             eviction_policy="least-recently-used",
-            cull_limit=10,  # each write culls at most 10 entries: eviction stays gradual
+            # diskcache's own cull drops 10 entries whenever the store is over budget, the
+            # entry just written included; `_make_room` evicts exactly what the budget needs.
+            cull_limit=0,
         )
         # Position lists are user data, not a cache: never evicted.
         self.positions, _ = repair.open_store(
@@ -96,8 +101,21 @@ class Store:
         self.recoveries = repair.notes(directory)  # damaged stores kept for inspection
         self.counters = dict(
             hits=0, misses=0, puts=0, corrupt_dropped=0, write_errors=0, evictions=0,
-            bad_requests=0,
+            bad_requests=0, too_large=0, orphans_removed=0,
         )
+        for cache in (self.snaps, self.positions):
+            self.counters["orphans_removed"] += repair.remove_orphans(cache)
+        self._homes = {d: _identity(d / "cache.db") for d in (directory / "snapshots",
+                                                               directory / "positions")}
+
+    def gone(self) -> str:
+        """Why this store's files are no longer the ones on disk ("" while they are): a removed
+        or replaced cache_dir would otherwise take writes into a deleted database, lost at the
+        next start, with value files outside any budget."""
+        for d, ident in self._homes.items():
+            if _identity(d / "cache.db") != ident:
+                return f"{d / 'cache.db'} was removed or replaced while serving"
+        return ""
 
     def get_first(self, keys: list[str]) -> tuple[str, bytes] | None:
         """The first of `keys` that holds an intact snapshot; corrupt ones are deleted."""
@@ -135,10 +153,15 @@ class Store:
             return "bad_key"
         if snapshot.verify(data, key):  # intact, and bound to this key
             return "corrupt_value"
+        if len(data) > self.snaps.size_limit:  # it would evict everything, itself included
+            log.warning("snapshot %s is %d bytes, over the L2 size limit of %d: not stored",
+                        key, len(data), self.snaps.size_limit)
+            self.counters["too_large"] += 1
+            return "too_large"
         try:
-            before = len(self.snaps) + (0 if key in self.snaps else 1)
+            self._make_room(len(data), keep=key)  # before writing: the disk never holds more
             self.snaps.set(key, data, retry=True)
-            self.counters["evictions"] += max(0, before - len(self.snaps))
+            self._make_room(0, keep=key)  # sqlite pages may have grown
         except Exception as e:  # ENOSPC, EFBIG, sqlite "database or disk is full", ...
             if repair.is_damage(e):
                 raise
@@ -147,6 +170,19 @@ class Store:
             return "write_failed"
         self.counters["puts"] += 1
         return ""
+
+    def _make_room(self, need: int, keep: str) -> None:
+        """Evict least-recently-used snapshots (never `keep`) until `need` more bytes fit."""
+        limit = self.snaps.size_limit
+        while self.snaps.volume() + need > limit:
+            victims = self.snaps._sql(_LRU, (keep,)).fetchall()  # diskcache has no public LRU order
+            if not victims:
+                return
+            for (victim,) in victims:
+                if self.snaps.volume() + need <= limit:
+                    return
+                if self.snaps.delete(victim, retry=True):
+                    self.counters["evictions"] += 1
 
     def stats(self) -> dict[str, Any]:
         return dict(self.counters, entries=len(self.snaps), bytes=self.snaps.volume(),
@@ -170,12 +206,14 @@ class Server:
         self.sock.bind(endpoint)
         self.running = True
         self.damaged = ""  # set when a store turns out damaged while serving
+        self.gone = ""  # set when the store's files were removed or replaced under it
 
     def serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         while self.running:
             if not poller.poll(200):
+                self._check_home()
                 continue
             frames = self.sock.recv_multipart(copy=True)
             reply = self.handle(frames)
@@ -200,7 +238,11 @@ class Server:
             return [peer, _pack({"id": None, "ok": False, "code": "bad_request"})]
         rid = req.get("id")
         try:
+            if self._check_home():  # nothing more goes into a store that is no longer on disk
+                raise _Gone(self.gone)
             result, blob = self._dispatch(req, payload)
+        except _Gone as e:
+            result, blob = {"ok": False, "code": "internal", "message": str(e)}, None
         except _BadRequest as e:
             self.store.counters["bad_requests"] += 1
             result, blob = {"ok": False, "code": "bad_request", "message": str(e)}, None
@@ -215,6 +257,12 @@ class Server:
         if blob is not None:
             out.append(blob)
         return out
+
+    def _check_home(self) -> bool:
+        """Stop serving (to be restarted on a fresh store) once the store's files are gone."""
+        if not self.gone and (why := self.store.gone()):
+            self.gone, self.running = why, False  # run() logs it and exits 1
+        return bool(self.gone)
 
     def _dispatch(self, req: dict, payload: list[bytes]) -> tuple[dict, bytes | None]:
         op = req["op"]
@@ -270,12 +318,23 @@ class Server:
             return {"ok": True}
         if op == "pos_get":
             data = pos.get(name, default=None, retry=True)
-            if data is None:
+            values = None if data is None else self._position_list(name, data)
+            if values is None:
                 return {"ok": True, "found": False}
-            return {"ok": True, "found": True, "positions": msgpack.unpackb(data)}
+            return {"ok": True, "found": True, "positions": values}
         if op == "pos_delete":
             return {"ok": True, "deleted": bool(pos.delete(name, retry=True))}
         raise _BadRequest(f"unknown op {op!r}")
+
+    def _position_list(self, name: str, data: bytes) -> list[int] | None:
+        """The list stored under `name`; a damaged one is dropped and logged (an absent list,
+        not an error that reads as "cache process unavailable")."""
+        if _positions_key(name, data) is not None:
+            return msgpack.unpackb(data)
+        log.warning("dropping damaged position list %r (not a list of ints >= 0)", name)
+        self.store.counters["corrupt_dropped"] += 1
+        self.store.positions.delete(name, retry=True)
+        return None
 
     def close(self) -> None:
         self.sock.close(0)
@@ -283,6 +342,10 @@ class Server:
 
 
 class _BadRequest(ValueError):
+    pass
+
+
+class _Gone(RuntimeError):
     pass
 
 
@@ -314,6 +377,15 @@ def _positions_key(key: str | None, data: bytes) -> str | None:
         return None
     ok = key is not None and isinstance(values, list) and all(type(p) is int and p >= 0 for p in values)
     return key if ok else None
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of `path`, None when it is missing: tells a replaced file from the same one."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _lock(directory: Path):
@@ -376,6 +448,8 @@ def run(directory: str | Path, endpoint: str, size_limit: int = DEFAULT_SIZE_LIM
         lock.close()
     if server.damaged:
         _exit(1, f"L2 store damaged while serving ({server.damaged}); exiting so that a restart repairs it")
+    if server.gone:
+        _exit(1, f"{server.gone}; exiting so that a restart opens a fresh store")
 
 
 def start_cache_process(

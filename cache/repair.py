@@ -92,6 +92,29 @@ def notes(directory: Path) -> list[dict]:
     return out
 
 
+def remove_orphans(cache: diskcache.Cache) -> int:
+    """Delete value files that no row of `cache` names; how many. diskcache writes the file
+    before its row, so a kill -9 mid-write (or writes into a store removed while serving) left
+    files that nothing reads, that no size limit counts and that nothing ever deleted. Only
+    files of diskcache's own layout (`xx/yy/<hex>.val`) are touched."""
+    root = Path(cache.directory)
+    named = {f for (f,) in cache._sql("SELECT filename FROM Cache WHERE filename IS NOT NULL")}
+    removed = freed = 0
+    for f in root.glob("[0-9a-f][0-9a-f]/[0-9a-f][0-9a-f]/*.val"):
+        if f.relative_to(root).as_posix() in named or not f.is_file():
+            continue
+        try:
+            size = f.stat().st_size
+            f.unlink()
+        except OSError as e:
+            log.warning("could not remove orphan value file %s: %s", f, e)
+            continue
+        removed, freed = removed + 1, freed + size
+    if removed:
+        log.warning("%s: removed %d value files (%d bytes) that no entry named", root, removed, freed)
+    return removed
+
+
 def _move_aside(path: Path) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     aside = path.with_name(f"{path.name}.damaged-{stamp}")

@@ -24,7 +24,11 @@ _CONFIG_FILES = ("config.json", "tokenizer_config.json", "generation_config.json
 
 
 def dir_fingerprint(path: str | Path) -> str:
-    """A content hash of a model directory's config files, plus its weight files' names and sizes."""
+    """A content hash of a model directory's config files, plus its weight files' names, sizes
+    and modification times. Sizes alone missed weights rewritten in place (a fine-tune saved
+    over the model: same shapes, same sizes), and the old weights' snapshots were restored into
+    the new model: cached output no longer equal to uncached. A copy without its times only
+    costs cold prefills."""
     p = Path(path)
     h = hashlib.blake2b(digest_size=16)
     for name in _CONFIG_FILES:
@@ -32,7 +36,8 @@ def dir_fingerprint(path: str | Path) -> str:
         if f.is_file():
             h.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
     for f in sorted(p.glob("*.safetensors")):  # a full weights hash would cost seconds per GB
-        h.update(f"{f.name}:{f.stat().st_size}\0".encode())
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\0".encode())
     return h.hexdigest()
 
 
@@ -42,11 +47,23 @@ def pair_identity(pair: Any, dtype: str | None) -> Identity:
     if not isinstance(template, str):
         template = repr(template)
     return Identity(
-        target=f"{Path(pair.model_path).resolve()}|{dtype or 'native'}|{dir_fingerprint(pair.model_path)}",
+        target=f"{Path(pair.model_path).resolve()}|{dtype or 'native'}|{dir_fingerprint(pair.model_path)}"
+               f"|{compute_identity()}",
         draft=f"{Path(pair.draft_path).resolve()}|{_draft_dtype(pair)}|{dir_fingerprint(pair.draft_path)}",
         layer_ids=tuple(int(i) for i in pair.drafter.layer_ids),
         template=hashlib.sha256(template.encode()).hexdigest(),
     )
+
+
+def compute_identity() -> str:
+    """What computes the prefix: MLX version, device, BLAS and kernel switches. The same weights
+    under another of these (blas = mkl, then none) round differently, so a snapshot taken under
+    one restored under another gave output that the uncached run under it does not."""
+    import mlx.core as mx
+
+    from dflash.engine import accel
+
+    return f"mlx {mx.__version__}|{mx.default_device()}|{accel.describe()}"
 
 
 def _draft_dtype(pair: Any) -> str:

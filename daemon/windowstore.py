@@ -72,12 +72,20 @@ def load(state_dir: Path, key: str) -> dict[bool, WindowMemory]:
 def save(state_dir: Path, key: str, memories: dict[bool, WindowMemory]) -> None:
     """Write this pair's entry (other pairs' entries kept), atomically; a failure is a warning."""
     path = state_dir / FILE
+    tmp = path.with_name(f".{FILE}.{os.getpid()}.tmp")
     try:
         pairs = _read(path)
         pairs[key] = {("greedy" if g else "sampled"): asdict(m) for g, m in memories.items()}
         state_dir.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{FILE}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"format": FORMAT, "pairs": pairs}, indent=1) + "\n")
         os.replace(tmp, path)
     except OSError as e:
         log.warning("could not save %s: %s", path, e)
+        _discard(tmp)  # a full disk left a partial temp file behind, one per worker pid
+
+
+def _discard(tmp: Path) -> None:
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:
+        pass
