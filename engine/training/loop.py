@@ -23,6 +23,8 @@ What this trainer is built around (issue #10):
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -213,6 +215,39 @@ class Dist:
 
 
 
+class CtrlC:
+    """While training: the first Ctrl-C asks the loop to stop after the step in flight and save
+    its checkpoint (a KeyboardInterrupt in the middle of a step would lose every step since the
+    last periodic checkpoint); a second one interrupts at once. Off outside the main thread."""
+
+    def __init__(self, say: Log) -> None:
+        self.say, self.pressed, self._old = say, False, None
+
+    def __enter__(self) -> "CtrlC":
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.pressed:
+            raise KeyboardInterrupt
+        self.pressed = True
+        self.say("[train] Ctrl-C: stopping after this step and saving the checkpoint "
+                 "(Ctrl-C again to quit without saving it)")
+
+
+def _sources(opts: TrainOptions) -> str:
+    """Where this run's prompts come from, in the words of its flags (for error lines)."""
+    parts = [f"--prompts {opts.prompts}" if opts.prompts else f"--num-prompts {opts.num_prompts}"]
+    if opts.derive_prompts:
+        parts.append(f"--derive-prompts {opts.derive_prompts}")
+    return " + ".join(parts)
+
+
 def _dtype(name: str | None, on_gpu: bool) -> mx.Dtype:
     return getattr(mx, name or ("bfloat16" if on_gpu else "float32"))
 
@@ -229,14 +264,14 @@ def train_draft(opts: TrainOptions, log: Log = print,
 
     from ..loading import resolve_model
 
-    preflight(opts, explicit_arch)  # before any model load or write
+    notes = preflight(opts, explicit_arch)  # before any model load or write
     t_begin = time.perf_counter()
     dist = Dist()
     say: Log = log if dist.main else (lambda s: None)
+    for note in notes:
+        say(f"[train] {note}")
     out = Path(opts.out)
-    out.mkdir(parents=True, exist_ok=True)
     data_dir = Path(opts.data_dir) if opts.data_dir else out / "data"
-    data_dir.mkdir(parents=True, exist_ok=True)
     ckpt_dir = out / "checkpoint"
     on_gpu = mx.default_device() == mx.gpu
     tdt, cdt = _dtype(opts.dtype, on_gpu), _dtype(opts.compute_dtype, on_gpu)
@@ -298,6 +333,8 @@ def train_draft(opts: TrainOptions, log: Log = print,
 
     # --- data: prompts -> responses (cached; each rank its shard) ------------------------------
     t0 = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)  # only now: a bad target or draft leaves nothing behind
+    data_dir.mkdir(parents=True, exist_ok=True)
     heldout_pairs = td.load_heldout(opts.heldout_file)
     held_text = {p for _, p in heldout_pairs}
     # --exclude-prompts: earlier sessions' prompts still count for deriving new ones (their number
@@ -315,6 +352,9 @@ def train_draft(opts: TrainOptions, log: Log = print,
         if p not in held_text and p not in skip and p not in seen:
             seen.add(p)
             train_prompts.append((k, p))
+    if not train_prompts:
+        raise ValueError(f"no prompts to train on: {_sources(opts)} gave {len(prompts) + len(derived)}, "
+                         "none left after removing held-out and excluded ones")
     samples = td.collect_responses(model, tokenizer, train_prompts, data_dir, opts.max_new_tokens,
                                    opts.gen_batch_size, say, dist.rank, dist.size, dist.barrier,
                                    opts.sampled_responses, opts.response_temperature)
@@ -322,6 +362,8 @@ def train_draft(opts: TrainOptions, log: Log = print,
     n_all, samples = len(samples), td.responses_of_kind(samples, opts.train_responses)
     if opts.train_responses != "all":
         say(f"[data] {opts.train_responses} answers only: {len(samples)} of {n_all} cached responses")
+    if not samples:
+        raise ValueError(f"no responses to train on in {data_dir}")
     longest = max(len(s.ids) for s in samples)
     seq_len = int(min(opts.max_len, -(-longest // 32) * 32))
     store = td.TokenStore.from_samples(samples, seq_len)
@@ -452,80 +494,93 @@ def train_draft(opts: TrainOptions, log: Log = print,
     last_step = sched.total_steps
     if opts.max_steps:
         last_step = min(last_step, start_step + opts.max_steps)
-    # compile + warm-up steps: real updates, timed apart, before the budget clock starts
-    t0 = time.perf_counter()
-    n_warm = 0
-    while step < last_step and n_warm < max(opts.compile_steps, 0):
-        res = run_step(step + 1)
-        mx.eval(res, holder["params"], optimizer.state)
-        step += 1
-        n_warm += 1
-        history_vals = np.array(res)
-    t_compile = time.perf_counter() - t0
-    if n_warm:
-        say(f"[train] compile + warm-up: {n_warm} steps in {t_compile:.1f}s (traced {traces[0]}x; "
-            f"not counted in the time budget); loss {float(history_vals[0]):.4f}")
-    window: list[mx.array] = []
-    t_mark = t_start = time.perf_counter()
-    s_mark = step
-    stop_reason = ""
-    while step < last_step:
-        res = run_step(step + 1)
-        mx.async_eval(res, holder["params"], optimizer.state)
-        window.append(res)
-        step += 1
-        if step % opts.log_every == 0 or step == last_step:
-            vals = np.array(mx.stack(window))
-            if misses is not None:
-                drain_misses()
-            now = time.perf_counter()
-            t_train = now - t_start
-            dt = max(now - t_mark, 1e-9)
-            n = step - s_mark
-            mean = vals.mean(axis=0)
-            ema = float(mean[0]) if ema is None else 0.8 * ema + 0.2 * float(mean[0])
-            rec = {"step": step, "loss": float(mean[0]), "acc1": float(mean[1]),
-                   "accept_len": float(mean[2]), "ce": float(mean[3]), "kl": float(mean[4]),
-                   "grad_norm": float(mean[5]), "lr": sched(step),
-                   "blocks_per_s": n * blocks_per_step / dt,
-                   "block_tokens_per_s": n * blocks_per_step * cfg.block_size / dt,
-                   "epoch": round(batches.epoch_at(step), 4), "elapsed_s": round(t_train, 2)}
-            if misses is not None:
-                rec["miss_anchor_share"] = n_from_misses[0] / max(n * opts.seqs_per_batch * opts.anchors_per_seq, 1)
-                n_from_misses[0] = 0
-            history.append(rec)
-            if log_file:
-                log_file.write(json.dumps(rec) + "\n")
-                log_file.flush()
-            left = ""
-            if opts.time_budget_s:
-                left = f", {max(opts.time_budget_s - t_train, 0):.0f}s left"
-            kl_txt = f", kl {rec['kl']:.4f}" if kl_w else ""
-            if misses is not None:
-                kl_txt += f"; {rec['miss_anchor_share']:.0%} miss anchors"
-            say(f"[train] step {step}/{sched.total_steps} | loss {rec['loss']:.4f} "
-                f"(ce {rec['ce']:.4f}{kl_txt}) | "
-                f"acc@1 {rec['acc1']:.3f} | accept-len {rec['accept_len']:.2f} | lr {rec['lr']:.2e} | "
-                f"{rec['blocks_per_s']:,.0f} blocks/s ({rec['block_tokens_per_s']:,.0f} block tok/s) | "
-                f"epoch {rec['epoch']:.2f} | {t_train:.0f}s{left}")
-            window, t_mark, s_mark = [], now, step
-            if opts.time_budget_s and dist.any(t_train >= opts.time_budget_s):
-                stop_reason = "time budget"
+    ctrl = CtrlC(say)
+
+    def interrupted(at_log: bool) -> bool:
+        """Ctrl-C was pressed (on any rank: checked collectively, at log steps only)."""
+        return ctrl.pressed if dist.size == 1 else at_log and dist.any(ctrl.pressed)
+
+    with ctrl:  # Ctrl-C: stop after the step in flight, keep the checkpoint
+        # compile + warm-up steps: real updates, timed apart, before the budget clock starts
+        t0 = time.perf_counter()
+        n_warm = 0
+        while step < last_step and n_warm < max(opts.compile_steps, 0) and not interrupted(False):
+            res = run_step(step + 1)
+            mx.eval(res, holder["params"], optimizer.state)
+            step += 1
+            n_warm += 1
+            history_vals = np.array(res)
+        t_compile = time.perf_counter() - t0
+        if n_warm:
+            say(f"[train] compile + warm-up: {n_warm} steps in {t_compile:.1f}s (traced {traces[0]}x; "
+                f"not counted in the time budget); loss {float(history_vals[0]):.4f}")
+        window: list[mx.array] = []
+        t_mark = t_start = time.perf_counter()
+        s_mark = step
+        stop_reason = ""
+        while step < last_step:
+            if interrupted(step % opts.log_every == 0):
+                stop_reason = "interrupted"
                 break
-        if opts.ckpt_every and step % opts.ckpt_every == 0 and step < last_step:
-            save()
-    else:
-        stop_reason = "total steps" if step >= sched.total_steps else "max steps"
-    if window:
-        mx.eval(window)
-    t_train = time.perf_counter() - t_start
-    mx.eval(holder["params"])
-    if log_file:
-        log_file.close()
-    session["compile_s"] = round(t_compile, 2)
-    save()
-    say(f"[train] stopped at step {step} ({stop_reason}); this session {step - start_step} steps, "
-        f"{t_train:.0f}s + {t_compile:.0f}s compile; checkpoint {ckpt_dir}")
+            res = run_step(step + 1)
+            mx.async_eval(res, holder["params"], optimizer.state)
+            window.append(res)
+            step += 1
+            if step % opts.log_every == 0 or step == last_step:
+                vals = np.array(mx.stack(window))
+                if misses is not None:
+                    drain_misses()
+                now = time.perf_counter()
+                t_train = now - t_start
+                dt = max(now - t_mark, 1e-9)
+                n = step - s_mark
+                mean = vals.mean(axis=0)
+                ema = float(mean[0]) if ema is None else 0.8 * ema + 0.2 * float(mean[0])
+                rec = {"step": step, "loss": float(mean[0]), "acc1": float(mean[1]),
+                       "accept_len": float(mean[2]), "ce": float(mean[3]), "kl": float(mean[4]),
+                       "grad_norm": float(mean[5]), "lr": sched(step),
+                       "blocks_per_s": n * blocks_per_step / dt,
+                       "block_tokens_per_s": n * blocks_per_step * cfg.block_size / dt,
+                       "epoch": round(batches.epoch_at(step), 4), "elapsed_s": round(t_train, 2)}
+                if misses is not None:
+                    rec["miss_anchor_share"] = n_from_misses[0] / max(n * opts.seqs_per_batch * opts.anchors_per_seq, 1)
+                    n_from_misses[0] = 0
+                history.append(rec)
+                if log_file:
+                    log_file.write(json.dumps(rec) + "\n")
+                    log_file.flush()
+                left = ""
+                if opts.time_budget_s:
+                    left = f", {max(opts.time_budget_s - t_train, 0):.0f}s left"
+                kl_txt = f", kl {rec['kl']:.4f}" if kl_w else ""
+                if misses is not None:
+                    kl_txt += f"; {rec['miss_anchor_share']:.0%} miss anchors"
+                say(f"[train] step {step}/{sched.total_steps} | loss {rec['loss']:.4f} "
+                    f"(ce {rec['ce']:.4f}{kl_txt}) | "
+                    f"acc@1 {rec['acc1']:.3f} | accept-len {rec['accept_len']:.2f} | lr {rec['lr']:.2e} | "
+                    f"{rec['blocks_per_s']:,.0f} blocks/s ({rec['block_tokens_per_s']:,.0f} block tok/s) | "
+                    f"epoch {rec['epoch']:.2f} | {t_train:.0f}s{left}")
+                window, t_mark, s_mark = [], now, step
+                if opts.time_budget_s and dist.any(t_train >= opts.time_budget_s):
+                    stop_reason = "time budget"
+                    break
+            if opts.ckpt_every and step % opts.ckpt_every == 0 and step < last_step:
+                save()
+        else:
+            stop_reason = "total steps" if step >= sched.total_steps else "max steps"
+        if window:
+            mx.eval(window)
+        t_train = time.perf_counter() - t_start
+        mx.eval(holder["params"])
+        if log_file:
+            log_file.close()
+        session["compile_s"] = round(t_compile, 2)
+        save()
+        say(f"[train] stopped at step {step} ({stop_reason}); this session {step - start_step} steps, "
+            f"{t_train:.0f}s + {t_compile:.0f}s compile; checkpoint {ckpt_dir}")
+    if stop_reason == "interrupted":
+        say(f"[train] interrupted: the checkpoint at step {step} is saved in {ckpt_dir} (it loads as a "
+            f"draft); continue with --resume {ckpt_dir}")
 
     # --- the draft in the published format, then the held-out evaluation (rank 0) -----------------
     draft.update(cast_tree(holder["params"], tdt))
@@ -542,7 +597,7 @@ def train_draft(opts: TrainOptions, log: Log = print,
         "compute_dtype": str(cdt).split(".")[-1],
         "options": asdict(opts),
     }
-    if not dist.main:
+    if not dist.main or stop_reason == "interrupted":  # interrupted: no draft, no evaluation
         return summary
     save_draft(draft, out)
     # which tokens the draft proposes by default on the CPU: its answers' most frequent ones
@@ -572,6 +627,11 @@ def _cli():
             return [int(x) for x in value.split(",") if x.strip()]
         except ValueError:
             raise click.BadParameter(f"expected layer numbers separated by commas, got {value!r}") from None
+
+    def _os_error(e: OSError) -> str:
+        """`PATH: reason` for an OSError (the errno prefix and Python's quoting left out)."""
+        where = f"{e.filename}: " if e.filename else ""
+        return f"{where}{e.strerror or e}"
 
     def _explicit(ctx: click.Context, kw: dict) -> dict:
         """The architecture options typed on the command line (not left at their defaults)."""
@@ -639,13 +699,28 @@ def _cli():
     @click.option("--save-optimizer", is_flag=True, help="Also keep AdamW moments + fp32 masters (too big to bring back from a lent GPU).")
     @click.pass_context
     def train_draft_command(ctx: click.Context, **kw):
-        """Train a DFlash draft for TARGET on its own greedy responses; writes OUT + README.md."""
+        """Train a DFlash draft for the --target model on its own responses (greedy, or a
+        --sampled-responses share sampled); writes the draft, OUT/checkpoint/ and OUT/README.md.
+
+        Ctrl-C stops after the step in flight and saves the checkpoint (exit 130); --resume
+        OUT/checkpoint continues the campaign. See docs/training.md."""
+        import sys
+
         kw["compile"] = not kw.pop("no_compile")
+        data_dir = kw["data_dir"] or str(Path(kw["out"]) / "data")
         try:
-            train_draft(TrainOptions(**kw), log=lambda s: click.echo(s, err=True),
-                        explicit_arch=_explicit(ctx, kw))
+            summary = train_draft(TrainOptions(**kw), log=lambda s: click.echo(s, err=True),
+                                  explicit_arch=_explicit(ctx, kw))
+        except KeyboardInterrupt:  # before training (load, data) or a second Ctrl-C
+            click.echo(f"cancelled; the data cached so far stays in {data_dir} (a rerun continues "
+                       "from it)", err=True)
+            sys.exit(130)
         except (ValueError, FileNotFoundError) as e:
             raise click.ClickException(str(e)) from e
+        except OSError as e:  # disk full, no permission, a file where a folder goes: one line
+            raise click.ClickException(_os_error(e)) from e
+        if summary.get("stop_reason") == "interrupted":
+            sys.exit(130)
 
     return train_draft_command
 

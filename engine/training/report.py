@@ -32,10 +32,13 @@ def evaluate(
     from ..drafters import DFlashDrafter
     from ..generate import Finished, TokenDelta, stream_dflash_generate
 
+    import time
+
     drafter = DFlashDrafter(draft, target, vocab)
     sums: dict[str, dict[str, Any]] = {}
     by_pos: dict[int, list[int]] = {}  # 16-token stretch -> [cycles, accepted drafts]
-    for s in samples:
+    every, t0 = max(1, len(samples) // 8), time.perf_counter()  # progress: ~8 lines, not silence
+    for n_done, s in enumerate(samples, 1):
         final = None
         pos, last = 0, None  # answer tokens before `last`, the latest cycle's delta
         for i, ev in enumerate(stream_dflash_generate(
@@ -63,6 +66,10 @@ def evaluate(
             acc["cyc"] += st.cycles
             h = list(st.accept_histogram or [])
             acc["hist"] = h if acc["hist"] is None else [a + b for a, b in zip(acc["hist"], h)]
+        if n_done % every == 0 and n_done < len(samples):
+            o = sums["overall"]
+            log(f"[eval] {n_done}/{len(samples)} prompts | acceptance so far "
+                f"{o['acc'] / max(o['gen'], 1):.1%} | {time.perf_counter() - t0:.0f}s")
     report = {}
     for k, v in sums.items():
         hist = v["hist"] or []
@@ -132,6 +139,25 @@ Output is always the target's own greedy text; the draft only sets the speed.
     (out / "README.md").write_text(text)
 
 
+def check_report_path(out: str | None) -> None:
+    """Refuse a report path that cannot be written (a folder, a missing or read-only folder)
+    before the evaluation runs, rather than failing after it."""
+    import os
+
+    import click
+
+    if not out:
+        return
+    p = Path(out)
+    if p.is_dir():
+        raise click.ClickException(f"--out {out} is a folder: name the report file (e.g. {p / 'report.json'})")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise click.ClickException(f"--out {out}: the folder {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise click.ClickException(f"--out {out}: not writable")
+
+
 def _eval_cli():
     import click
 
@@ -145,23 +171,37 @@ def _eval_cli():
     @click.option("--window", type=click.IntRange(2), default=None, help="Verify this many tokens a cycle instead of the whole block (blocks cut to it where the draft allows: DFLASH_SHORT_BLOCK).")
     @click.option("--out", default=None, help="Write the report (JSON) here.")
     def eval_draft_command(target, draft, max_tokens, n_prompts, heldout_file, dtype, window, out):
-        """Held-out acceptance, tau and acceptance curve of DRAFT on TARGET (full 16-token verify)."""
+        """Held-out acceptance, tau and acceptance curve of the --draft on the --target (greedy;
+        every cycle verifies the whole block, or --window tokens). Ctrl-C cancels (exit 130)."""
+        import sys
+
+        try:
+            _eval_draft(target, draft, max_tokens, n_prompts, heldout_file, dtype, window, out)
+        except KeyboardInterrupt:
+            click.echo("cancelled" + (f" (nothing written to {out})" if out else ""), err=True)
+            sys.exit(130)
+        except OSError as e:  # the report's folder gone, no permission, disk full: one line
+            raise click.ClickException(f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}") from e
+
+    def _eval_draft(target, draft, max_tokens, n_prompts, heldout_file, dtype, window, out):
+        """The command's work (its Ctrl-C and OSError handling above)."""
         import json
 
         import mlx.core as mx
         from mlx_lm import load
 
         from .. import draftvocab
-        from ..draft import load_draft
         from ..drafters import check_fit, short_block_max
         from ..loading import draft_dtype, resolve_model
         from . import data as td
+        from .checkpoint import read_draft
 
+        check_report_path(out)  # before minutes of evaluation, not after
         try:
             model, tokenizer = load(resolve_model(target))
             dt = dtype or ("bfloat16" if mx.default_device() == mx.gpu else "float32")
             model.set_dtype(getattr(mx, dt))
-            d = load_draft(draft, draft_dtype(model, None))
+            d = read_draft(draft, draft_dtype(model, None))
             pairs = td.load_heldout(heldout_file)[:n_prompts]
         except (ValueError, FileNotFoundError) as e:
             raise click.ClickException(str(e)) from e
@@ -191,7 +231,9 @@ def _eval_cli():
                    "draft_vocab": len(vocab) if vocab else None, "window": window or "full",
                    "cut_block": bool(cut),
                    "device": str(mx.default_device()), "prompts": len(samples), "heldout": report}
-            Path(out).write_text(json.dumps(rec, indent=2) + "\n")
+            tmp = Path(f"{out}.tmp")  # whole or nothing: a full disk leaves no torn report
+            tmp.write_text(json.dumps(rec, indent=2) + "\n")
+            tmp.replace(out)
 
     return eval_draft_command
 
