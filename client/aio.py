@@ -28,6 +28,7 @@ from .client import (
     int_list,
     look_timeout,
     make_submit,
+    older_worker,
     opt_seconds,
     reply_error,
     seconds,
@@ -35,6 +36,7 @@ from .client import (
     unavailable,
     waited_too_long,
     worker_gone,
+    working_on,
 )
 
 
@@ -92,12 +94,17 @@ class AsyncDFlashClient:
         except P.ProtocolError as e:  # a peer speaking another protocol version, or garbage
             raise reply_error(e, self.endpoint) from None
 
-    async def _exchange(self, sock: zmq.asyncio.Socket, msg: Any, timeout: float | None) -> P.Reply:
+    async def _exchange(self, sock: zmq.asyncio.Socket, msg: Any, timeout: float | None,
+                        beats: bool = False) -> P.Reply:
+        """As DFlashClient._exchange: re-send until answered; with `beats`, once heartbeats for
+        it come, wait as long as they do instead."""
         msg.rid = next(self._rids)
         frame = codec.encode(msg)
         end = time.monotonic() + (self.timeout if timeout is None else timeout)
+        beating = False
         while True:
-            await sock.send(frame)
+            if not beating:
+                await sock.send(frame)
             retry_at = min(end, time.monotonic() + self.retry_interval)
             while (left := retry_at - time.monotonic()) > 0:
                 reply = await self._recv(sock, left)
@@ -105,14 +112,17 @@ class AsyncDFlashClient:
                     if isinstance(reply, P.Error):
                         raise E.from_reply(reply)
                     return reply
+                if beats and working_on(reply, msg.rid):
+                    beating, end = True, time.monotonic() + self.heartbeat_timeout
+                    retry_at = end
             if time.monotonic() >= end:
-                raise unavailable(self.endpoint)
+                raise worker_gone(self.endpoint, self.heartbeat_timeout, "") if beating else unavailable(self.endpoint)
 
-    async def _call(self, msg: Any, timeout: float | None = None) -> P.Reply:
+    async def _call(self, msg: Any, timeout: float | None = None, beats: bool = False) -> P.Reply:
         sock = self._socket()
         try:
             with self._unless_closed():
-                return await self._exchange(sock, msg, timeout)
+                return await self._exchange(sock, msg, timeout, beats)
         finally:
             sock.close(0)
 
@@ -203,6 +213,14 @@ class AsyncDFlashClient:
 
     async def delete_positions(self, name: str) -> bool:
         return bool((await self._call(P.DeletePositions(name=name))).data["deleted"])
+
+    async def clear_cache(self, timeout: float | None = None) -> dict:
+        """Drop every prefix-cache snapshot (L1 and L2), keeping position lists; the same call
+        and answer as DFlashClient.clear_cache."""
+        try:
+            return (await self._call(P.CacheClear(), opt_seconds(timeout, "timeout"), beats=True)).data
+        except E.DFlashError as e:
+            raise older_worker(e, P.CacheClear.op) from None
 
     def close(self) -> None:
         """Close every socket of this client; any later call raises ClientClosedError."""

@@ -1,10 +1,12 @@
-"""`dflash-client`: prompt the daemon from a shell; fetch a job's result by id; status and jobs.
+"""`dflash-client`: prompt the daemon from a shell; fetch a job's result by id; status and jobs;
+inspect and clear the prefix cache.
 
 Every error is one line on stderr. Exit codes: 0 done, 1 the job failed, 2 usage or bad request
 (including a prompt, from stdin or an argument, that is not UTF-8: refused, never guessed at), 3 no
 worker / worker died (a kept job's error prints the `result` command, with this run's --endpoint,
 --config and --timeout), 4 busy (queue full), 5 no such job (or its result expired) or position
 list, 124 the job hit its time limit, 130 Ctrl-C (cancels a `prompt`; `result` only stops waiting).
+`cache clear` exits 1 when the cache process did not answer (L1 was cleared, L2 was not).
 """
 
 from __future__ import annotations
@@ -373,6 +375,37 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
+def cache_detail_lines(cache: dict | None) -> list[str]:
+    """What `cache show` adds to the status lines: traffic, write-behind, the L2 budget, the
+    cache process's own counters and the position lists (which a clear keeps)."""
+    if not cache or not cache.get("enabled"):
+        return []
+    proc = cache.get("l2_process") or {}
+    lines = [
+        f"{'cache snapshots':18} {cache.get('inserts', 0)} taken; {cache.get('misses', 0)} lookups found none",
+        f"{'cache L2 writes':18} {cache.get('l2_writes', 0)} written, {cache.get('l2_dropped_writes', 0)} dropped, "
+        f"{cache.get('corrupt_dropped', 0)} corrupt entries dropped",
+    ]
+    if proc:
+        lines += [
+            f"{'cache L2 budget':18} {_mib(proc.get('bytes', 0))} of {_mib(proc.get('size_limit', 0))}",
+            f"{'cache L2 process':18} " + ", ".join(f"{proc.get(k, 0)} {k.replace('_', ' ')}" for k in (
+                "hits", "misses", "puts", "too_large", "write_errors", "orphans_removed")),
+            f"{'position lists':18} {cache.get('position_lists', 0)} (kept by `cache clear`)",
+        ]
+    return lines
+
+
+def cleared_lines(data: dict) -> list[str]:
+    """A cache_clear answer in words: what each tier dropped and the position lists kept."""
+    l1, l2 = data.get("l1") or {}, data.get("l2") or {}
+    lines = [f"{'cleared L1':18} {l1.get('entries', 0)} entries, {_mib(l1.get('bytes', 0))}"]
+    if data.get("l2_up"):
+        lines += [f"{'cleared L2':18} {l2.get('entries', 0)} entries, {_mib(l2.get('bytes', 0))}",
+                  f"{'position lists':18} {data.get('position_lists', 0)} kept"]
+    return lines
+
+
 @main.group()
 def positions():
     """Named sparse-prefill position lists (kept by the cache process, shared by every app)."""
@@ -412,6 +445,48 @@ def _print(call) -> None:
         click.echo(json.dumps(call()))
     except E.DFlashError as e:
         _fail(e)
+
+
+@main.group(invoke_without_command=True)
+@click.pass_context
+def cache(ctx: click.Context):
+    """The prefix cache: `cache` or `cache show` prints its state, `cache clear` empties it."""
+    if ctx.invoked_subcommand is None:
+        ctx.invoke(cache_show)
+
+
+@cache.command("show")
+@click.option("--json", "as_json", is_flag=True, help="Print the cache section of the worker's stats.")
+@click.pass_obj
+def cache_show(client: DFlashClient, as_json: bool = False):
+    """Entries, bytes, hits and evictions per tier (as `status`), then traffic and L2 detail."""
+    try:
+        st = client.stats()
+    except E.DFlashError as e:
+        _fail(e)
+    if as_json:
+        click.echo(json.dumps(st.get("cache"), indent=2))
+        return
+    for line in cache_lines(st.get("cache")) + cache_detail_lines(st.get("cache")):
+        click.echo(line)
+
+
+@cache.command("clear")
+@click.option("--json", "as_json", is_flag=True, help="Print the worker's answer as JSON.")
+@click.pass_obj
+def cache_clear(client: DFlashClient, as_json: bool):
+    """Drop every prompt snapshot, in the worker's RAM (L1) and on disk (L2); named position lists
+    are kept. A running job finishes its prefill first. Output is the same as before, only the
+    next prompts prefill from scratch."""
+    try:
+        data = client.clear_cache()
+    except E.DFlashError as e:
+        _fail(e)
+    click.echo(json.dumps(data) if as_json else "\n".join(cleared_lines(data)))
+    if not data.get("l2_up"):
+        click.echo("dflash-client: the cache process (L2) did not answer: its snapshots were not cleared "
+                   "(it restarts by itself; retry)", err=True)
+        sys.exit(1)
 
 
 @main.command()

@@ -259,6 +259,20 @@ def setup_curve(sock: zmq.Socket, cfg: DaemonConfig) -> None:
     sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_public, public, secret
 
 
+def working_on(reply: P.Reply | None, rid: int) -> bool:
+    """Whether `reply` is a heartbeat for request `rid`: the worker has it and is still at it
+    (a cache_clear waits for the running job's prefill), so stop re-sending and wait on."""
+    return isinstance(reply, P.Heartbeat) and reply.rid == rid
+
+
+def older_worker(e: E.DFlashError, op: str) -> E.DFlashError:
+    """An `unknown_op` for an op this client knows, in words: the daemon is an older release."""
+    if e.code != P.UNKNOWN_OP:
+        return e
+    return E.BadRequestError(P.UNKNOWN_OP, f"this daemon does not know {op!r}: it is older than this client; "
+                             "restart it after the upgrade (dflashd stop, dflashd start)")
+
+
 def answers(reply: P.Reply | None, rid: int) -> bool:
     """Whether `reply` answers request `rid`, sent on a socket of its own: a reply with its rid,
     or an error the worker could tie to no rid (a frame too large or too broken to read one
@@ -325,13 +339,17 @@ class DFlashClient:
         except P.ProtocolError as e:  # a peer speaking another protocol version, or garbage
             raise reply_error(e, self.endpoint) from None
 
-    def _exchange(self, sock: zmq.Socket, msg: Any, timeout: float | None) -> P.Reply:
-        """Send (and re-send every retry_interval) until a reply to this rid arrives."""
+    def _exchange(self, sock: zmq.Socket, msg: Any, timeout: float | None, beats: bool = False) -> P.Reply:
+        """Send (and re-send every retry_interval) until a reply to this rid arrives. `beats`: a
+        request the worker answers later (cache_clear); once heartbeats for it come, stop
+        re-sending and wait as long as they do. (A submit's heartbeats follow its answer.)"""
         msg.rid = self._next_rid()
         frame = codec.encode(msg)
         end = time.monotonic() + (self.timeout if timeout is None else timeout)
+        beating = False
         while True:
-            sock.send(frame)
+            if not beating:
+                sock.send(frame)
             retry_at = min(end, time.monotonic() + self.retry_interval)
             while (left := retry_at - time.monotonic()) > 0:
                 reply = self._recv(sock, left)
@@ -339,14 +357,17 @@ class DFlashClient:
                     if isinstance(reply, P.Error):
                         raise E.from_reply(reply)
                     return reply
+                if beats and working_on(reply, msg.rid):
+                    beating, end = True, time.monotonic() + self.heartbeat_timeout
+                    retry_at = end
             if time.monotonic() >= end:
-                raise unavailable(self.endpoint)
+                raise worker_gone(self.endpoint, self.heartbeat_timeout, "") if beating else unavailable(self.endpoint)
 
-    def _call(self, msg: Any, timeout: float | None = None) -> P.Reply:
+    def _call(self, msg: Any, timeout: float | None = None, beats: bool = False) -> P.Reply:
         sock = self._socket()
         try:
             with self._unless_closed():
-                return self._exchange(sock, msg, timeout)
+                return self._exchange(sock, msg, timeout, beats)
         finally:
             sock.close(0)
 
@@ -408,6 +429,22 @@ class DFlashClient:
     def delete_positions(self, name: str) -> bool:
         """True when a list was deleted."""
         return bool(self._call(P.DeletePositions(name=name)).data["deleted"])
+
+    # ------------------------------------------------------------------ prefix cache
+    def clear_cache(self, timeout: float | None = None) -> dict:
+        """Drop every prefix-cache snapshot, in the worker's RAM (L1) and on disk (L2), e.g. to
+        free the disk or to forget users' prompts; named position lists are kept. Output never
+        depends on the cache, so nothing else changes but the next prompts' prefill time.
+
+        The worker runs it between jobs or decode cycles (a running job's prefill finishes
+        first, its snapshots cleared too); `timeout` bounds the wait for the worker to take it,
+        after which heartbeats keep it waiting. Returns {l1: {entries, bytes}, l2: {entries,
+        bytes}, l2_up, position_lists}: what was dropped, and whether the cache process answered
+        (False: L2 was not cleared; retry). CacheUnavailableError when the daemon has no cache."""
+        try:
+            return self._call(P.CacheClear(), opt_seconds(timeout, "timeout"), beats=True).data
+        except E.DFlashError as e:
+            raise older_worker(e, P.CacheClear.op) from None
 
     def close(self) -> None:
         """Close every socket of this client, streams in other threads included (they raise

@@ -1,8 +1,10 @@
 """The worker's single MLX thread: load the pair once, then pop a job, run the engine, emit.
 
 Everything that touches MLX runs here (MLX streams belong to the thread that made them). It
-talks to the socket thread only through the job queue (in) and an event queue plus a wake-up
-frame on an inproc socket (out), and it never lets an exception escape a job.
+talks to the socket thread only through the job queue and a queue of control work (in: a cache
+clear) and an event queue plus a wake-up frame on an inproc socket (out), and it never lets an
+exception escape a job. Control work runs between jobs and between decode cycles: never while
+the engine is inside the prefix cache (lookups and inserts happen during prefill only).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import traceback
 from dataclasses import asdict
 from typing import Any, Callable
 
+from dflash.cache.client import CacheClient
+
 from . import caching
 from . import protocol as P
 from .config import ConfigError, DaemonConfig
@@ -22,6 +26,9 @@ from .queue import Job, JobQueue
 from .store import JobStore
 
 log = logging.getLogger("dflash.worker")
+TASK_POLL_S = 0.1  # how soon an idle MLX thread picks up control work (a cache clear)
+WRITES_WAIT_S = 10.0  # a clear waits this long for queued L2 writes, as a finishing job does
+CLEAR_TIMEOUT_S = 30.0  # clearing a large L2 store deletes many files: more than a lookup's 1 s
 
 
 class Compute:
@@ -31,6 +38,9 @@ class Compute:
         self.store = store
         self.wake = wake  # called after putting events, from this thread
         self.events: _queue.SimpleQueue[tuple[str, Any]] = _queue.SimpleQueue()
+        # control work from the socket thread: (event key, work returning the Info data)
+        self.tasks: _queue.SimpleQueue[tuple[str, Callable[[], dict]]] = _queue.SimpleQueue()
+        self.stopping = threading.Event()
         self.ready = threading.Event()
         self.load_error: str | None = None
         self.pair: Any = None
@@ -48,10 +58,17 @@ class Compute:
             self.wake()  # the worker exits 2 (Worker.serve); queued jobs stay stored for a next start
             return
         while True:
-            job = self.jobs.pop(timeout=None)
-            if job is None:  # queue closed: shutting down
+            self._run_tasks()
+            job = self.jobs.pop(timeout=TASK_POLL_S)  # a timeout, so control work waits no longer
+            if job is not None:
+                self._run_job(job)
+            elif self.stopping.is_set():  # queue closed and empty: shutting down
                 return
-            self._run_job(job)
+
+    def stop(self) -> None:
+        """End run() once the queue is empty; a running job is cancelled (reason "shutdown")."""
+        self.stopping.set()
+        self.jobs.close()
 
     def _load(self) -> None:
         try:
@@ -70,6 +87,58 @@ class Compute:
             log.error("model load failed: %s", self.load_error)
         finally:
             self.ready.set()
+
+    # ------------------------------------------------------------------ control work
+    def post(self, key: str, work: Callable[[], dict]) -> None:
+        """Run `work` on this thread before the next job or decode cycle; its result goes out
+        as event `key`: an Info with the map it returns, or an Error."""
+        self.tasks.put((key, work))
+
+    def _run_tasks(self) -> None:
+        while not self.tasks.empty():
+            key, work = self.tasks.get()
+            try:
+                msg: Any = P.Info(data=work())
+            except Exception as e:  # a bug here must not end the thread or the running job
+                log.exception("control work %s failed", key)
+                msg = P.Error(code=P.INTERNAL, message=f"{type(e).__name__}: {e}")
+            self.events.put((key, msg))
+            self.wake()
+
+    def clear_cache(self) -> dict[str, Any]:
+        """Drop every prefix snapshot, L1 then L2; position lists stay. Runs on this thread, so
+        no lookup or insert is half done, and only after this cache's queued L2 writes have been
+        handled by the cache process, so none of them lands after the clear."""
+        pc = self.prefix_cache
+        l1 = {"entries": 0, "bytes": 0}
+        fence = None
+        if pc is not None:
+            l1 = {"entries": len(pc.l1), "bytes": pc.l1.bytes}
+            pc.drop_l1()
+            if not pc.wait_writes(timeout=WRITES_WAIT_S):
+                log.warning("cache clear: L2 writes still queued after %gs", WRITES_WAIT_S)
+            fence = pc.l2
+        out = {"l1": l1, **self._clear_l2(fence)}
+        log.info("prefix cache cleared: %s", out)
+        return out
+
+    def _clear_l2(self, fence: CacheClient | None) -> dict[str, Any]:
+        """Clear the cache process's snapshots. `fence`: the connection the writes went out on; a
+        round trip on it returns after the cache process has stored them (one connection is
+        served in order), so the clear, sent on a connection of its own, comes after them."""
+        if fence is not None:
+            fence.ping()
+        client = CacheClient(self.cfg.resolved_cache_endpoint(), retry_after_s=0.0)
+        try:
+            before = client.stats()
+            client.timeout_s = CLEAR_TIMEOUT_S  # deleting a large store's files takes a while
+            up = before is not None and client.clear()
+            after = (client.stats() or {}) if up else before
+        finally:
+            client.close()
+        # the store's bytes include its sqlite pages, which a clear keeps: report the difference
+        dropped = {k: max(0, int(before.get(k, 0)) - int(after.get(k, 0))) if up else 0 for k in ("entries", "bytes")}
+        return {"l2": dropped, "l2_up": up, "position_lists": before.get("position_lists") if up else None}
 
     # ------------------------------------------------------------------ one job
     def _emit(self, job: Job, msg: Any) -> None:
@@ -128,7 +197,8 @@ class Compute:
         except ValueError as e:
             return P.Error(code=P.BAD_REQUEST, message=str(e), job_id=job.job_id, param="verify_window"), "error"
 
-        def should_cancel() -> bool:
+        def should_cancel() -> bool:  # between decode cycles: prefill's snapshots are all taken
+            self._run_tasks()
             if job.expired():
                 job.request_cancel("timeout")
             return job.cancel.is_set()

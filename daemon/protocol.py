@@ -11,7 +11,9 @@ Versions: 1 (the first); 2 appends temperature, top_p, top_k and seed to `submit
 "full" or a token count; plain decoding with 1). A message of another version is refused with `bad_version`, naming both
 versions (`version_error`); the `error`, `done` and `status` layouts are unchanged since 1, so
 an error answering a version-1 or -2 request is stamped with that version and an old client reads it as the
-typed error it is, instead of failing to decode it.
+typed error it is, instead of failing to decode it. A new op (`cache_clear`) is not a new
+version: no older client sends it, and an older worker answers it `unknown_op`, which every
+client reads; the version changes only when an existing message's layout does.
 """
 
 from __future__ import annotations
@@ -273,9 +275,21 @@ class DeletePositions:
 
 
 POSITION_OPS = (PutPositions, GetPositions, ListPositions, DeletePositions)
+
+
+@dataclass
+class CacheClear:
+    """Drop the prefix cache's snapshots, L1 and L2 (never the position lists). Run by the MLX
+    thread between jobs or decode cycles, so it answers after the running job's prefill."""
+
+    op: ClassVar[str] = "cache_clear"
+    rid: int = 0
+
+
 Request = Union[Submit, Cancel, JobStatus, Stats, Jobs, Models, Shutdown, PutPositions, GetPositions,
-                ListPositions, DeletePositions]
-REQUESTS: dict[str, type] = {c.op: c for c in (Submit, Cancel, JobStatus, Stats, Jobs, Models, Shutdown, *POSITION_OPS)}
+                ListPositions, DeletePositions, CacheClear]
+REQUESTS: dict[str, type] = {c.op: c for c in (Submit, Cancel, JobStatus, Stats, Jobs, Models, Shutdown, *POSITION_OPS,
+                                                CacheClear)}
 
 # ----------------------------------------------------------------------------- replies
 
@@ -340,7 +354,7 @@ class Status:
 
 @dataclass
 class Info:
-    """Answer to stats / jobs / models / shutdown / cancel: a free-form map of facts."""
+    """Answer to stats / jobs / models / shutdown / cancel / cache_clear: a free-form map of facts."""
 
     type: ClassVar[str] = "info"
     rid: int = 0
@@ -349,7 +363,8 @@ class Info:
 
 @dataclass
 class Heartbeat:
-    """Sent to every connection waiting on a job, so it learns within seconds if the worker dies."""
+    """Sent to every connection waiting on a job (or on a cache_clear it has not answered yet),
+    so it learns within seconds if the worker dies."""
 
     type: ClassVar[str] = "heartbeat"
     rid: int = 0

@@ -3,8 +3,10 @@
 The socket (main) thread decodes and validates every frame, answers control requests at once
 (status, stats, cancel, shutdown are never queued behind work), persists and queues submits,
 forwards the compute thread's events to the connection that waits on each job, and sends
-heartbeats. Replies go out with ROUTER_MANDATORY, so a send to a connection that went away
-fails at once: the job it was streaming to is cancelled.
+heartbeats. A cache clear is handed to the compute thread (the only one that touches L1 and
+queues L2 writes) and answered when it has run, with heartbeats meanwhile. Replies go out with
+ROUTER_MANDATORY, so a send to a connection that went away fails at once: the job it was
+streaming to is cancelled.
 
 After a restart, unfinished detached jobs are queued again at once. A streamed job's client has
 already seen `worker_gone` (or `shutting_down`) by then and may well have gone for good, so its
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import itertools
 import logging
 import os
 import secrets
@@ -66,6 +69,8 @@ class Worker:
         self.compute = Compute(cfg, self.jobs, self.store, self._wake)
         self.watchers: dict[str, tuple[bytes, int]] = {}  # job id -> (connection, submit rid)
         self.held: dict[str, Job] = {}  # recovered streamed jobs that wait to be asked for
+        self.waiting: dict[str, tuple[bytes, int]] = {}  # control work key -> (connection, rid)
+        self._work_ids = itertools.count(1)
         self.stop = threading.Event()
         self.exit_code = 0
         self.started = time.time()
@@ -153,9 +158,10 @@ class Worker:
             if self.cfg.exit_on_load_failure and self.compute.load_error:
                 self._exit_on_load_failure()
         log.info("shutting down")
-        self.jobs.close()
+        self.compute.stop()
         thread.join(timeout=30)
         self._forward_events(router)
+        self._abandon_waiting(router)
         router.close(0)
         wake.close(0)
         if not thread.is_alive():
@@ -202,12 +208,23 @@ class Worker:
         self.jobs.push(job, force=True)
         log.info("job %s asked for again: queued", job_id)
 
+    def _abandon_waiting(self, router: zmq.Socket) -> None:
+        """Answer control requests the compute thread never ran: it stopped first."""
+        for ident, rid in self.waiting.values():
+            self._send(router, ident, P.Error(rid=rid, code=P.SHUTTING_DOWN, message="the worker stopped "
+                                              "before clearing the cache; nothing was cleared: retry once it is back"))
+        self.waiting.clear()
+
     def _forward_events(self, router: zmq.Socket) -> None:
         while True:
             try:
                 job_id, msg = self.compute.events.get_nowait()
             except Exception:
                 return
+            if (waiter := self.waiting.pop(job_id, None)) is not None:  # a control request's answer
+                msg.rid = waiter[1]
+                self._send(router, waiter[0], msg)
+                continue
             watcher = self.watchers.get(job_id)
             final = isinstance(msg, (P.Done, P.Error))
             if watcher is not None:
@@ -221,6 +238,9 @@ class Worker:
         for job_id, (ident, rid) in list(self.watchers.items()):
             if not self._send(router, ident, P.Heartbeat(rid=rid)):
                 self._client_gone(job_id)
+        for key, (ident, rid) in list(self.waiting.items()):
+            if not self._send(router, ident, P.Heartbeat(rid=rid)):
+                self.waiting.pop(key, None)  # it still runs; nobody is left to hear the answer
         cutoff = time.time() - self.cfg.result_retention_s
         for job_id in [j for j, job in self.held.items() if job.held_at < cutoff]:
             del self.held[job_id]  # nobody asked; its record has expired in the store too
@@ -257,6 +277,8 @@ class Worker:
             return
         try:
             reply = self._dispatch(ident, req)
+            if reply is None:  # answered later, when the compute thread has done it
+                return
         except P.ProtocolError as e:
             self.counters["bad_frames"] += 1
             # a refused submit queued nothing: no job id to name (its error would point at none)
@@ -288,6 +310,8 @@ class Worker:
             return P.Info(data={"shutting_down": True, "pid": os.getpid()})
         if isinstance(req, P.POSITION_OPS):
             return P.Info(data=self._position_op(req))
+        if isinstance(req, P.CacheClear):
+            return self._cache_clear(ident, req)
         raise P.ProtocolError(P.UNKNOWN_OP, "unhandled op")
 
     def _submit(self, ident: bytes, req: P.Submit) -> Any:
@@ -413,6 +437,19 @@ class Worker:
             return {"name": req.name, "deleted": self.positions.delete(req.name)}
         except Unavailable as e:
             raise P.ProtocolError(P.CACHE_UNAVAILABLE, f"{e}; position lists need it (it restarts by itself)") from None
+
+    def _cache_clear(self, ident: bytes, req: P.CacheClear) -> None:
+        """Hand the clear to the compute thread: it owns L1 and the queued L2 writes, and runs it
+        between jobs or decode cycles, so no generation sees a cache change under it."""
+        if not self.cfg.cache:
+            raise P.ProtocolError(P.CACHE_UNAVAILABLE, "the prefix cache is disabled in this daemon "
+                                  "(cache = false): there is nothing to clear")
+        if (ident, req.rid) in self.waiting.values():  # the client re-sent it: one answer will do
+            return None
+        key = f"cache_clear:{next(self._work_ids)}"  # never a job id (":" is not allowed there)
+        self.waiting[key] = (ident, req.rid)
+        self.compute.post(key, self.compute.clear_cache)
+        return None
 
     def _cancel(self, job_id: str) -> Any:
         if (held := self.held.pop(job_id, None)) is not None and self.store.has_job(job_id):
