@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import click
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.http import HttpVersion11
 
 from dflash.client import errors as E
 from dflash.client.aio import AsyncDFlashClient
@@ -40,6 +41,8 @@ log = logging.getLogger("dflash.gateway")
 # streaming for minutes after a Ctrl-C, then cut the connections without a word.
 SHUTDOWN_GRACE_S = 1.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# request key: the response whose headers went out (set by on_response_prepare)
+_STARTED: web.RequestKey[web.StreamResponse] = web.RequestKey("dflash_started", web.StreamResponse)
 
 # Daemon error code -> (HTTP status, OpenAI error type).
 _STATUS = {
@@ -123,12 +126,15 @@ class Gateway:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors, self._auth])
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_get("/v1/models", self._list_models)
-        app.router.add_get("/v1/models/{model:.+}", self._get_model)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
+        # aiohttp answers an Expect header before any middleware runs: ours answers in JSON too
+        expect = {"expect_handler": self._expect}
+        app.router.add_post("/v1/chat/completions", self._chat, **expect)
+        app.router.add_post("/v1/completions", self._completions, **expect)
+        app.router.add_get("/v1/models", self._list_models, **expect)
+        app.router.add_get("/v1/models/{model:.+}", self._get_model, **expect)
+        app.router.add_get("/health", self._health, **expect)
+        app.router.add_get("/metrics", self._metrics, **expect)
+        app.on_response_prepare.append(self._started)
         app.on_shutdown.append(self._stopping)
         app.on_cleanup.append(self._close)
         return app
@@ -163,33 +169,91 @@ class Gateway:
         self.control.close()
 
     # ------------------------------------------------------------------ middlewares
+    @staticmethod
+    async def _started(request: web.Request, response: web.StreamResponse) -> None:
+        """on_response_prepare: note the response whose headers are going out, so an error
+        raised after that (mid-stream) is not answered with a second response."""
+        request.setdefault(_STARTED, response)
+
+    def _error_for(self, request: web.Request, e: Exception) -> S.ApiError:
+        """Any exception a handler raised, as an OpenAI error (logged when it is a bug)."""
+        if isinstance(e, S.ApiError):
+            return e
+        if isinstance(e, E.DFlashError):
+            return api_error_from(e)
+        if isinstance(e, web.HTTPRequestEntityTooLarge):
+            return S.ApiError(413, f"request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
+        if isinstance(e, web.HTTPException):
+            kind = ("not_found_error" if e.status == 404 else "server_error" if e.status >= 500
+                    else "invalid_request_error")
+            what = f"{e.reason}: {request.method} {request.path}"
+            # aiohttp's own text is "<status>: <reason>"; anything else says more, so keep it
+            if e.text and e.text != f"{e.status}: {e.reason}":
+                what = f"{what}: {e.text}"
+            return S.ApiError(e.status, what, kind)
+        log.error("gateway error on %s", request.path, exc_info=e)  # a bug here: answer 500, keep serving
+        return S.ApiError(500, f"internal gateway error: {type(e).__name__}", "server_error", code="internal")
+
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Every failure in OpenAI's error shape; counts each answer for /metrics."""
+        """Every failure in OpenAI's error shape (aiohttp's own HTTPExceptions included: unknown
+        route, wrong method, body too large); counts each answer for /metrics. An error after a
+        stream's headers went out cannot change its status: it ends the stream as an error event."""
         route = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
         try:
             resp = await handler(request)
-        except S.ApiError as e:
-            resp = json_error(e)
-        except E.DFlashError as e:
-            resp = json_error(api_error_from(e))
-        except web.HTTPRequestEntityTooLarge:
-            resp = json_error(S.ApiError(413, f"request body exceeds {self.max_body_bytes} bytes", code="body_too_large"))
         except web.HTTPException as e:
-            if e.status < 400:
-                raise
-            kind = "not_found_error" if e.status == 404 else "invalid_request_error"
-            resp = json_error(S.ApiError(e.status, f"{e.reason}: {request.method} {request.path}", kind))
-            if "Allow" in e.headers:  # a 405 must say which methods the route takes (RFC 9110)
-                resp.headers["Allow"] = e.headers["Allow"]
+            if e.status < 400 and _STARTED not in request:
+                raise  # a redirect or such is an answer, not an error
+            resp = await self._error_answer(request, e)
         except (asyncio.CancelledError, ConnectionResetError):
             self.metrics.request(route, 499)  # the client went away
             raise
-        except Exception as e:  # a bug here: answer 500, keep serving
-            log.exception("gateway error on %s", request.path)
-            resp = json_error(S.ApiError(500, f"internal gateway error: {type(e).__name__}", "server_error", code="internal"))
+        except Exception as e:
+            resp = await self._error_answer(request, e)
         self.metrics.request(route, resp.status)
         return resp
+
+    async def _error_answer(self, request: web.Request, e: Exception) -> web.StreamResponse:
+        err = self._error_for(request, e)
+        started = request.get(_STARTED)
+        if started is None:
+            resp = json_error(err)
+            allow = e.headers.get("Allow") if isinstance(e, web.HTTPException) else None
+            if allow is not None:  # a 405 must say which methods the route takes (RFC 9110)
+                resp.headers["Allow"] = allow
+            return resp
+        if started.content_type != "text/event-stream":
+            raise e  # no such response here; aiohttp drops the connection: the body is cut, visibly
+        # The stream's headers (200) are gone: end it as a stream the daemon cut ends.
+        with contextlib.suppress(ConnectionError, RuntimeError):  # RuntimeError: it had already ended
+            await started.write(b"data: " + json.dumps(err.body(), separators=(",", ":")).encode() + b"\n\n")
+            await started.write(b"data: [DONE]\n\n")
+            await started.write_eof()
+        return started
+
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """The routes' Expect handler (aiohttp runs it before the middlewares, so it answers in
+        JSON itself): 100-continue, unless the declared body is already over the cap; any other
+        expectation is a 417."""
+        if request.version != HttpVersion11:
+            return None  # HTTP/1.0 has no interim responses: read the body as usual
+        route = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
+        expect = request.headers.get(hdrs.EXPECT, "")
+        err = None
+        if expect.lower() != "100-continue":
+            err = S.ApiError(417, f"Expectation Failed: unsupported Expect header {expect!r} (only 100-continue)",
+                             code="expectation_failed")
+        elif request.content_length is not None and request.content_length > self.max_body_bytes:
+            err = S.ApiError(413, f"request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
+        if err is not None:
+            self.metrics.request(route, err.status)
+            resp = json_error(err)
+            resp.force_close()  # the body the client holds back is never read
+            return resp
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # an interim response: the answer itself has not started
+        return None
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:

@@ -555,7 +555,16 @@ def _prefill(
 
 
 class _Output:
-    """Committed tokens, text with stop-sequence hold-back, and the finish reason."""
+    """Committed tokens, text with stop-sequence hold-back, and the finish reason.
+
+    Each TokenDelta carries one cycle's ids and the text they completed. When generation ends in
+    a cycle that has ids (max_tokens, a stop string, an EOS after other ids), the detokenizer's
+    flush (a lone U+FFFD for a cut multi-byte character, as mlx-lm writes it) joins that cycle's
+    delta, as mlx-lm gives it with the last token. Only when nothing new came in the last cycle
+    (an EOS first in its cycle, a cancel) does the flush arrive as text with no ids: holding every
+    delta whose last character is incomplete back a cycle would delay streamed text for a rare
+    end. Concatenated, the deltas' text and ids are the Finished text and ids.
+    """
 
     def __init__(self, tokenizer: Any, stop: Sequence[str]):
         self.detok = tokenizer.detokenizer
@@ -567,6 +576,7 @@ class _Output:
         self._pending_ids: list[int] = []
         self._pending_draft: list[bool] = []
         self._raw = ""  # detokenized text not yet released
+        self._flushed = False  # the detokenizer was finalized
         self.reason = ""
         self.stopped_by_string = False
         self.drafted = 0  # committed ids that were accepted drafts
@@ -605,13 +615,15 @@ class _Output:
         return False
 
     def drain(self, final: bool = False) -> Iterator[TokenDelta]:
-        if final:
+        """This cycle's delta. At the end (a finish reason set, or `final`) the detokenizer is
+        flushed into it and everything held back is released."""
+        ending = final or bool(self.reason)
+        if ending and not self._flushed:
+            self._flushed = True
             self.detok.finalize()
             if not self.stopped_by_string:
                 self._raw += self.detok.last_segment
-        release = self._raw if (final or self.reason) else self._raw[: len(self._raw) - self.hold]
-        if not self.stop:
-            release = self._raw
+        release = self._raw if (ending or not self.stop) else self._raw[: len(self._raw) - self.hold]
         if release or self._pending_ids:
             self._raw = self._raw[len(release) :]
             self.text += release
