@@ -14,11 +14,10 @@ tokens are exactly the target's greedy ones: the output never depends on R, only
 a cycle produces (in bf16 on a GPU a batched pass rounds differently from a one-row pass, so
 near-ties may part elsewhere: on the H200 chat benchmark the second question parts from mlx-lm
 at token 19 with 4 or 8 rows, at 32 with one row; in fp32 the ids are mlx-lm's,
-tests/test_branches.py). Sampled cycles verify one row unless DFLASH_SAMPLED_ROWS=1: then row 0
-is a block drawn from the draft's q and each other row one more independent draw at one position
-(`sampled_rows`, positions from q alone: `alternate_positions`), accepted by multi-candidate
-speculative sampling (sampling.accept_rows), exact (tests/test_sampling_rows.py); opt-in until
-a GPU measures what it buys. Model drafts only (a copy proposal has no second choice), and
+tests/test_branches.py). Greedy only: sampled cycles verify one row. (Sampled rows, exact by
+multi-candidate speculative sampling, DFLASH_SAMPLED_ROWS=1, commit 63e1f61, were removed after
+session 31 measured them on the H200 at temperature 0.7: 1.095x / 1.098x of mlx-lm against
+1.187x / 1.102x with one row.) Model drafts only (a copy proposal has no second choice), and
 full-attention KV caches only (rollback.rows_supported).
 
 What it buys, measured offline on 48 held-out prompts (the bundled SmolLM2 draft, CPU fp32,
@@ -26,8 +25,8 @@ What it buys, measured offline on 48 held-out prompts (the bundled SmolLM2 draft
 tokens per cycle 2.57 with one row, 2.90 / 3.16 / 3.40 with 2 / 4 / 8 rows; other rules (swaps
 ranked by expected accepted length, trees of two or three swaps a row) gave the same up to 8
 rows (session 26, docs/benchmark.md). What it costs: R times the verify's tokens, and a copy of
-the KV cache per row each cycle (`rollback.into_rows`; DFLASH_ROWS_KEEP=1 keeps the rows between
-cycles instead, engine/rowcache.py, opt-in until measured on a GPU).
+the KV cache per row each cycle (`rollback.tile_rows`; keeping the rows between cycles instead
+was tried and removed, see rollback.py).
 On the H200 (bf16, SmolLM2-135M) the step is bound by launching kernels, not by the rows: a
 16-token verify took 13.1 ms with one row, 14.8 ms with 8 (session 15). End to end it paid once
 MLX's CUDA graphs were off and the products fused (sessions 21-22): session 24, mlx-lm's own
@@ -65,8 +64,6 @@ import os
 import mlx.core as mx
 
 from . import fewq, verifyattn
-from .accel import env_switch
-from .sampling import draw
 
 ENV = "DFLASH_BRANCHES"
 MAX_ROWS = 8
@@ -164,65 +161,3 @@ def rows_from_logits(logits: mx.array, rows: int) -> mx.array:
     subs = top[pos, rank]  # [rows - 1]
     others = mx.where(mx.arange(n)[None, :] == pos[:, None], subs[:, None], base[None, :])
     return mx.concatenate([base[None], others]).astype(mx.int32)
-
-
-# --- several rows under sampling (opt-in) ---------------------------------------------------------
-SAMPLED_ENV = "DFLASH_SAMPLED_ROWS"
-
-
-def sampled_rows_on() -> bool:
-    """Whether sampled cycles verify several rows too (DFLASH_SAMPLED_ROWS=1; off by default
-    until measured on a GPU): row 0 drawn from the draft's q, each other row one more
-    independent draw at one position, accepted by sampling.accept_rows, exact."""
-    return env_switch(SAMPLED_ENV, False)
-
-
-def alternate_positions(q: mx.array, rows: int) -> mx.array:
-    """Where rows 1..rows-1 of a sampled block take their extra draw ([rows-1] positions, in
-    trial order), from q [n, V] alone: the draws must not choose where candidates go, or the
-    acceptance would no longer be exact. The same score as the greedy rows with q's top
-    probability m_j standing in for a kept draft: the c-th extra draw at j scores
-    log P(kept before j) + c log(1 - m_j), the draft's estimate that it is reached and needed."""
-    n = q.shape[0]
-    top = mx.max(q.astype(mx.float32), axis=-1)
-    log_top = mx.log(mx.maximum(top, 1e-9))
-    before = mx.cumsum(log_top) - log_top
-    miss = mx.log(mx.maximum(1.0 - top, 1e-9))
-    extra = rows - 1
-    score = (before[:, None] + miss[:, None] * mx.arange(1, extra + 1)[None, :]).reshape(-1)
-    pick = mx.argpartition(-score, extra - 1)[:extra] if extra < n * extra else mx.arange(n * extra)
-    return mx.sort(pick // extra).astype(mx.int32)
-
-
-def redrawn_positions(rows: mx.array) -> mx.array:
-    """The position each row r >= 1 of draw_rows' rows [R, n] redrew (in row order): the one
-    where it differs from row 0, since a redraw never repeats a token drawn there before."""
-    return mx.argmax(rows[1:] != rows[:1], axis=-1).astype(mx.int32)
-
-
-def sampled_rows(q: mx.array, rows: int, key: mx.array) -> mx.array:
-    """Draft ids [rows, n] drawn from q [n, V] with the extra draws at alternate_positions(q)."""
-    if rows == 1:
-        return draw(q, key)[None]
-    return draw_rows(q, alternate_positions(q, rows), key)
-
-
-def draw_rows(q: mx.array, at: mx.array, key: mx.array) -> mx.array:
-    """Rows [..., R, n] for q [..., n, V] and extra-draw positions `at` [..., R-1] (sorted):
-    row 0 one draw from q at every position; row r >= 1 row 0 with position at[r-1] drawn
-    again, without replacement among that position's draws (never the token row 0 or an earlier
-    row took there: a repeat could never be accepted, see sampling.accept_rows). One Gumbel
-    perturbation of log q per position, its best token row 0's draw (Gumbel-max) and the next
-    ones the later draws there, in order (Gumbel-top-k: sampling without replacement)."""
-    extra = at.shape[-1]
-    rows, n = extra + 1, q.shape[-2]
-    g = mx.log(q) + mx.random.gumbel(q.shape, key=key)
-    top = mx.argpartition(-g, rows - 1, axis=-1)[..., :rows]
-    top = mx.take_along_axis(top, mx.argsort(-mx.take_along_axis(g, top, axis=-1), axis=-1), axis=-1)
-    spine = top[..., 0]  # [..., n]
-    same = (at[..., :, None] == at[..., None, :]).astype(mx.int32)
-    rank = mx.tril(same, -1).sum(axis=-1) + 1  # the how-manieth extra draw at its position
-    at_top = mx.take_along_axis(top, mx.broadcast_to(at[..., None], (*at.shape, rows)), axis=-2)
-    alt = mx.take_along_axis(at_top, rank[..., None], axis=-1)[..., 0]  # [..., R-1]
-    others = mx.where(mx.arange(n) == at[..., None], alt[..., None], spine[..., None, :])
-    return mx.concatenate([spine[..., None, :], others], axis=-2).astype(mx.int32)

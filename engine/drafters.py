@@ -59,10 +59,8 @@ class Drafter(Protocol):
         drafter cuts short blocks (`short_max`, see DFlashDrafter).
         With `sampling`: (ids, q), the ids drawn from q (count, V), or q None (ids only).
         A drafter without the `sampling` parameter is used as an ids-only one.
-        `rows` > 1 (a drafter with the parameter): ids [rows', count], several proposals for
-        one batched verify (engine/branches.py); rows' may be fewer when greedy. With
-        `sampling` too (DFLASH_SAMPLED_ROWS=1), (ids [rows, count], q): q block-parallel (one
-        distribution per position, not depending on the draws), as accept_rows needs.
+        `rows` > 1 (greedy, a drafter with the parameter): ids [rows', count], several
+        proposals for one batched verify (engine/branches.py); rows' may be fewer.
         A drafter with a `confidence` parameter (greedy): given True, (ids, p) with p the
         draft's own probability of each proposed id, for a window chosen after the draft
         (engine/window.py, "Windows chosen by the draft's confidence").
@@ -172,8 +170,6 @@ class DFlashDrafter:
         if self.head is not None:
             logits = self.head.full(logits)  # q is zero outside the subset
         q = sampling_mod.probs(logits, sampling.params)
-        if rows > 1:  # block-parallel q: every row's draws come from the same q (branches.py)
-            return branches.sampled_rows(q, rows, sampling.key), q
         return sampling_mod.draw(q, sampling.key), q
 
     @property

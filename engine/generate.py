@@ -230,11 +230,8 @@ def stream_dflash_generate(
     branch_rows = target.branches if branches is None else branches
     if branch_rows < 1:
         raise ValueError(f"branches must be >= 1, got {branch_rows}")
-    sampled_rows = keys is not None and drafter_samples and branches_mod.sampled_rows_on()
-    if (keys is not None and not sampled_rows) or "rows" not in drafter_params \
-            or not rollback.rows_supported(caches):
-        branch_rows = 1  # sampled cycles (unless DFLASH_SAMPLED_ROWS=1), ids-only drafters and
-        # other cache kinds verify one row
+    if keys is not None or "rows" not in drafter_params or not rollback.rows_supported(caches):
+        branch_rows = 1  # sampled cycles, ids-only drafters and other cache kinds verify one row
     stats.branch_rows = branch_rows
     by_rows = {"rows": branch_rows} if branch_rows > 1 else {}
     # the default rows stop where their KV cache copies would pass the target's budget
@@ -248,7 +245,6 @@ def stream_dflash_generate(
             return {}
         if not branches_mod.rows_fit(branch_rows, p + k, kv_per_token, row_budget):
             by_rows = {}  # past the budget for good (the cache only grows)
-            rollback.one_row(caches)
         return by_rows
     # Copy drafting's lookup over the prompt and every committed token (host-side ids, known at
     # each cycle's one host read); plain decoding (window 1) never copies.
@@ -325,7 +321,7 @@ def stream_dflash_generate(
                 drafts, q = drafter.propose(anchor, pos, k - 1, **rows_here), None
             else:
                 drafts, q = drafter.propose(anchor, pos, k - 1,
-                                            sampling=DraftSampling(params, draft_key), **rows_here)
+                                            sampling=DraftSampling(params, draft_key))
             if target.pipelined:  # the draft runs on the device while the verify is built
                 mx.async_eval(drafts)
         cyc = check(anchor, drafts, pos, q)

@@ -13,13 +13,13 @@ fed. How depends on the cache kind:
 - ArraysCache (Gated DeltaNet): restore from the verify tape (see tape.py), replaying only the
   accepted steps.
 
-A verify of several rows (engine/branches.py) first gives every cache R rows (`into_rows`),
-then keeps the winning row (`keep_row`) before the rewind above. Two ways: copy the one-row cache
-into R rows and take the kept row back out, each cycle (the default); or, with DFLASH_ROWS_KEEP=1,
-a cache that stays in R rows between cycles (rowcache.py), where the kept row's new tokens are
-copied into the others and `one_row` ends the rows once they pass their budget. Only plain
-KVCaches take part (`rows_supported`): a ring, a recurrent state or a quantized tuple would each
-need their own copy, and the targets that have them verify one row.
+A verify of several rows (engine/branches.py) first copies the committed cache into every row
+(`tile_rows`), then keeps the winning row (`keep_row`) before the rewind above, each cycle. Only
+plain KVCaches take part (`rows_supported`): a ring, a recurrent state or a quantized tuple would
+each need their own copy, and the targets that have them verify one row. A cache kept in R rows
+between cycles (DFLASH_ROWS_KEEP=1, commit 8ea9c11) was removed after session 31 measured it on
+the H200: SmolLM2-135M 2.07x of mlx-lm against 2.18x copying, and on Qwen3-8B it paid only at
+lengths past the rows' 256 MiB budget (~230 tokens).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from .rowcache import RowsKVCache, keep_rows
 from .sparse import PositionedWindowCache
 from .tape import Tape, gdn_module
 
@@ -85,46 +84,24 @@ def plain_step_undoable(caches: Sequence[Any]) -> bool:
 
 
 def rows_supported(caches: Sequence[Any]) -> bool:
-    """Whether a verify may run several rows over these caches (every one a plain KVCache, or
-    one already in rows)."""
-    return all(type(c) in (KVCache, RowsKVCache) for c in caches)
+    """Whether a verify may run several rows over these caches (every one a plain KVCache)."""
+    return all(type(c) is KVCache for c in caches)
 
 
-def into_rows(caches: list[Any], rows: int) -> None:
-    """Give every cache `rows` rows for a verify of that many, lazily: a copy of its one row
-    (each cycle), or with DFLASH_ROWS_KEEP=1 a RowsKVCache, made once and kept."""
-    keep = keep_rows()
-    for i, c in enumerate(caches):
-        if isinstance(c, RowsKVCache):
-            if c.rows == rows:
-                continue
-            c = c.one_row()  # a block with fewer rows (a tiny vocabulary): rows anew
-        if keep:
-            caches[i] = RowsKVCache.tiled(c, rows)
-        elif c.keys is not None:
+def tile_rows(caches: Sequence[Any], rows: int) -> None:
+    """Give every (one-row) cache `rows` identical rows, lazily, for a verify of that many."""
+    for c in caches:
+        if c.keys is not None:
             c.keys = mx.repeat(c.keys, rows, axis=0)
             c.values = mx.repeat(c.values, rows, axis=0)
 
 
-def keep_row(caches: Sequence[Any], row: mx.array, n: int) -> None:
-    """After a verify of several rows whose block was `n` tokens: the kept row (`row`, a device
-    index, so nothing waits for the host) becomes every row of a RowsKVCache (its n new tokens
-    copied), or the one row of a copied cache."""
+def keep_row(caches: Sequence[Any], row: mx.array) -> None:
+    """Keep one row of every cache (`row`: a device index, so nothing waits for the host)."""
     index = row.reshape(1)
     for c in caches:
-        if isinstance(c, RowsKVCache):
-            c.spread(row, n)
-        else:
-            c.keys = mx.take(c.keys, index, axis=0)
-            c.values = mx.take(c.values, index, axis=0)
-
-
-def one_row(caches: list[Any]) -> None:
-    """Caches kept in rows back to one row (rows past their budget: for the rest of the
-    generation, since the cache only grows); others as they are."""
-    for i, c in enumerate(caches):
-        if isinstance(c, RowsKVCache):
-            caches[i] = c.one_row()
+        c.keys = mx.take(c.keys, index, axis=0)
+        c.values = mx.take(c.values, index, axis=0)
 
 
 def needs_tape(caches: Sequence[Any]) -> bool:

@@ -5,9 +5,9 @@ speculative sampling (engine/sampling.py), exact for any draft. Either way accep
 ops, so the cycle needs a single host read (the summary array: accepted count + the emitted
 ids) and nothing scales with the vocabulary in Python.
 
-Drafts may come as several rows [R, k-1] (engine/branches.py; sampled ones only with
-DFLASH_SAMPLED_ROWS=1): the target scores all R blocks in one batched pass over caches in R
-rows (rollback.into_rows), and the row accepted furthest is kept (row 0 on ties) -- its tokens, its features, its cache row -- all chosen on the device, so
+Greedy drafts may come as several rows [R, k-1] (engine/branches.py): the target scores all R
+blocks in one batched pass over caches copied into R rows, and the row accepted furthest is
+kept (row 0 on ties) -- its tokens, its features, its cache row -- all chosen on the device, so
 to the caller the cycle looks like one verify of that row.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import branches, rollback
+from . import rollback
 from . import sampling as sampling_mod
 from . import tape as tape_mod
 from .sampling import SamplingParams
@@ -71,11 +71,10 @@ def verify(
     if forced is not None and sampling is not None:  # before the pass: the caches stay as they were
         raise ValueError("a teacher's ids stand in for greedy choices only")
     if drafts.ndim == 2:
-        if record_tape or (sampling is not None and drafts.shape[0] > 1 and q is None):
-            raise ValueError("several draft rows are verified over KV caches only, and sampled "
-                             "ones with the draft's q")
+        if sampling is not None or record_tape:
+            raise ValueError("several draft rows are verified greedily over KV caches only")
         if drafts.shape[0] > 1:
-            return verify_rows(target, caches, anchor, drafts, forced, sampling, key, q)
+            return verify_rows(target, caches, anchor, drafts, forced)
         drafts = drafts[0]
     plain = drafts.shape[0] == 0  # a plain decode step: nothing to accept, no ops spent on it
     anchor = anchor.reshape(1).astype(mx.int32)
@@ -110,28 +109,20 @@ def taught(greedy: mx.array, forced: mx.array | None) -> mx.array:
 
 
 def verify_rows(target: TargetModel, caches: list[Any], anchor: mx.array, drafts: mx.array,
-                forced: mx.array | None = None, sampling: SamplingParams | None = None,
-                key: mx.array | None = None, q: mx.array | None = None) -> Verified:
-    """Verify of R draft rows [R, k-1] after one anchor in one batched pass; keeps the row
-    accepted furthest (greedy) or the one the tree walk of sampling.accept_rows ends in
-    (sampled: q (k-1, V) the draft's block-parallel probs, branches.sampled_rows' rows), its
-    caches, tokens and features, all lazily on the device."""
+                forced: mx.array | None = None) -> Verified:
+    """Greedy verify of R draft rows [R, k-1] after one anchor in one batched pass; keeps the
+    row accepted furthest (caches, tokens, features), all lazily on the device."""
     rows, width = drafts.shape[0], drafts.shape[1] + 1
     anchor = mx.broadcast_to(anchor.reshape(1, 1).astype(mx.int32), (rows, 1))
     block = mx.concatenate([anchor, drafts.astype(mx.int32)], axis=1)
-    rollback.into_rows(caches, rows)
+    rollback.tile_rows(caches, rows)
     logits, features = target.forward(block, caches, eager=True)
-    if sampling is None:
-        greedy = taught(mx.argmax(logits, axis=-1).astype(mx.int32), forced)  # [R, k]
-        accepted = greedy_accept(block[:, 1:], greedy)  # [R]
-        best = mx.argmax(accepted).astype(mx.int32)  # the first of the longest: row 0 on ties
-        accepted, tokens = accepted[best], greedy[best]
-    else:
-        p = sampling_mod.probs(logits, sampling)
-        alternates = branches.redrawn_positions(drafts)
-        accepted, tokens, best = sampling_mod.accept_rows(p, block[:, 1:], q, alternates, key)
-    rollback.keep_row(caches, best, width)
+    greedy = taught(mx.argmax(logits, axis=-1).astype(mx.int32), forced)  # [R, k]
+    accepted = greedy_accept(block[:, 1:], greedy)  # [R]
+    best = mx.argmax(accepted).astype(mx.int32)  # the first of the longest: row 0 on ties
+    rollback.keep_row(caches, best)
+    tokens = greedy[best]
     features = mx.take(features, best.reshape(1), axis=0)
-    summary = mx.concatenate([accepted.reshape(1), tokens, best.reshape(1)])
+    summary = mx.concatenate([accepted[best].reshape(1), tokens, best.reshape(1)])
     mx.async_eval(summary, features)
     return Verified(width, tokens, features, None, summary, rows=rows)

@@ -27,8 +27,6 @@ arm is NAME:KEY=VALUE,...; the keys:
     rows=N      draft rows per greedy verify, 1..8 (engine/branches.py; DFLASH_BRANCHES's value
                 for one arm: the target loads with the most rows any arm asks for, and a target
                 whose verify attention cannot take rows is refused before any run)
-    keep=0|1    several-row verifies keep the KV cache in rows between cycles instead of copying
-                it in and out each one (DFLASH_ROWS_KEEP, engine/rowcache.py; off by default)
 Unset keys keep the loaded pair's defaults. `--baseline` adds mlx-lm's own decoding of the same
 model as an arm ("mlx-lm"), timed with the same clock (engine/benchmark.py), so every arm's
 speedup comes out of the same interleaving. `--warmup` answers the first question by every arm
@@ -61,9 +59,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 BASELINE = "mlx-lm"
-KEYS = ("cut", "window", "copy", "wide", "conf", "gap", "fdecay", "fast", "fuse", "draft", "rows", "keep")
+KEYS = ("cut", "window", "copy", "wide", "conf", "gap", "fdecay", "fast", "fuse", "draft", "rows")
 WINDOW_KEYS = {"gap": "max_probe_gap", "fdecay": "full_decay"}  # arm key -> VerifyWindow argument
-ENV_NOTED = ("MLX_CUDA_USE_CUDNN_SDPA", "MLX_USE_CUDA_GRAPHS", "DFLASH_VERIFY_ATTN", "DFLASH_PIPELINE", "DFLASH_BRANCHES", "DFLASH_ROWS_KEEP",
+ENV_NOTED = ("MLX_CUDA_USE_CUDNN_SDPA", "MLX_USE_CUDA_GRAPHS", "DFLASH_VERIFY_ATTN", "DFLASH_PIPELINE", "DFLASH_BRANCHES",
              "DFLASH_SHORT_BLOCK", "DFLASH_DRAFT_VOCAB", "DFLASH_WINDOW_WIDE", "DFLASH_WINDOW_CONFIDENCE",
              "DFLASH_FUSE", "DFLASH_CPU_FAST", "DFLASH_ACCEL")
 
@@ -182,11 +180,10 @@ def _generate(pair, arm: Arm | None, ids: list[int], max_tokens: int,
 
     from dflash.engine import cpufast, fuse
     from dflash.engine import generate as generate_mod
-    from dflash.engine.rowcache import KEEP_ENV
     from dflash.engine.window import CONFIDENCE_ENV, WIDE_ENV, VerifyWindow
 
     drafter = arm.drafter or pair.drafter
-    envs = {key: name for key, name in (("wide", WIDE_ENV), ("conf", CONFIDENCE_ENV), ("keep", KEEP_ENV))
+    envs = {key: name for key, name in (("wide", WIDE_ENV), ("conf", CONFIDENCE_ENV))
             if key in arm.settings}
     saved, saved_env = drafter.short_max, {name: os.environ.get(name) for name in envs.values()}
     saved_rows = pair.target.branches

@@ -3,10 +3,8 @@
     python scripts/rows_cost_probe.py --model DIR --dtype bfloat16 [--lengths 128,1024] [--out F]
     python scripts/rows_cost_probe.py --random-target qwen3-8b ... [--parts]   # a random-weight shape
 
-A greedy verify of R rows copies the KV cache into every row (`rollback.into_rows`), runs the
-target over [R, 16] tokens, and keeps the best row (`rollback.keep_row`); with DFLASH_ROWS_KEEP=1
-the cache stays in R rows instead (engine/rowcache.py: one copy, then only the kept row's 16 new
-tokens copied into the others), which this measures the same way. Session 26's first-time
+A greedy verify of R rows copies the KV cache into every row (`rollback.tile_rows`), runs the
+target over [R, 16] tokens, and keeps the best row (`rollback.keep_row`). Session 26's first-time
 benchmark on the H200 suggested that this costs more as the cache grows (SmolLM2-135M: one row
 6.7 ms a cycle against 12.1 ms with 8, prompts of ~900 tokens), while the default budget
 (256 MiB of copies) was set without a measurement. This times exactly that: for each cache
@@ -23,6 +21,11 @@ the cache (session 26: on the Qwen3-8B shape a verify took 10.8 ms with one row 
 `--revisit` also times the same verifies at one cache length again and again (rewound after each
 call): whether revisiting a length is cheaper than a first-time one, which is what the `--chat`
 benchmark (five fixed questions, re-run) leans on with cuDNN attention off.
+Session 31 also ran it with the cache kept in rows between verifies (DFLASH_ROWS_KEEP=1,
+commit 8ea9c11; the results' "rows_cache" field): on the Qwen3-8B shape 8 rows cost 1.48x /
+2.46x of one at 512 / 4,096 tokens against 1.61x / 2.86x copying, lengths past the rows' budget
+(~230 tokens there), and SmolLM2-135M end to end was no faster (2.07x of mlx-lm against 2.18x),
+so it was removed.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import time
 
 import mlx.core as mx
 
-from dflash.engine import branches, rollback, rowcache
+from dflash.engine import branches, rollback
 from dflash.engine.target import TargetModel, default_layer_ids
 from dflash.engine.verify import greedy_accept, verify
 
@@ -78,7 +81,6 @@ def time_rows(target: TargetModel, length: int, rows: int, args: argparse.Namesp
         rollback.rewind(caches, target.layers, keep, BLOCK, None)
         if i >= args.warmup:
             out.append(dt)
-    rollback.one_row(caches)  # kept rows (DFLASH_ROWS_KEEP=1): the next row count starts from one
     return out
 
 
@@ -91,28 +93,26 @@ def _synced(arrays: list[mx.array]) -> float:
 
 def time_parts(target: TargetModel, rows: int, args: argparse.Namespace, caches: list) -> dict:
     """Median ms of a several-row verify's three parts, each synced on its own: the cache copied
-    into every row (`rollback.into_rows`; kept rows: nothing after the first call), the batched
-    pass with its argmax, and the kept row taken back (`rollback.keep_row`; kept rows: its new
-    tokens copied into the others). Syncing between them stops MLX from fusing or donating
+    into every row (`rollback.tile_rows`), the batched pass with its argmax, and the kept row
+    taken back (`rollback.keep_row`). Syncing between them stops MLX from fusing or donating
     across the parts, so their sum can exceed the whole verify; what they show is which part
     grows with the cache."""
     vocab, parts = target.vocab_size, {"tile": [], "forward": [], "keep": []}
     for i in range(args.warmup + args.repeats):
         block = mx.random.randint(0, vocab, (rows, BLOCK), dtype=mx.int32)
         mx.eval(block)
-        rollback.into_rows(caches, rows)
+        rollback.tile_rows(caches, rows)
         tile = _synced([a for c in caches for a in (c.keys, c.values)])
         logits, features = target.forward(block, caches, eager=True)
         accepted = greedy_accept(block[:, 1:], mx.argmax(logits, axis=-1))
         best = mx.argmax(accepted).astype(mx.int32)
         forward = _synced([best, features])
-        rollback.keep_row(caches, best, BLOCK)
+        rollback.keep_row(caches, best)
         keep = _synced([a for c in caches for a in (c.keys, c.values)])
         rollback.rewind(caches, target.layers, 1, BLOCK, None)
         if i >= args.warmup:
             for name, ms in (("tile", tile), ("forward", forward), ("keep", keep)):
                 parts[name].append(ms)
-    rollback.one_row(caches)
     return {name: round(statistics.median(v), 3) for name, v in parts.items()}
 
 
@@ -151,8 +151,6 @@ def probe(args: argparse.Namespace) -> dict:
         "target": name, "dtype": args.dtype, "device": str(mx.default_device()),
         "machine": platform.node(), "mlx": mx.__version__,
         "verify_attention": target.verify_attention, "fused_products": bool(target.fused),
-        "rows_cache": "kept in rows between verifies (DFLASH_ROWS_KEEP=1)" if rowcache.keep_rows()
-                      else "copied into rows and back each verify",
         "revisited": "revisited_ms: the same verifies at one cache length, rewound after each call "
                      "(--revisit)" if args.revisit else None,
         "parts": "tile / forward / keep: a several-row verify's parts, each synced apart (--parts)"

@@ -23,7 +23,6 @@ def test_arms_parse_and_bad_specs_say_what_is_wrong():
     assert mod.parse_arm("new:draft=/x/y,cut=4").settings == {"draft": "/x/y", "cut": 4}
     assert mod.parse_arm("narrow:wide=0").settings == {"wide": False}
     assert mod.parse_arm("m:conf=0,wide=0").settings == {"conf": False, "wide": False}
-    assert mod.parse_arm("k:rows=4,keep=1").settings == {"rows": 4, "keep": True}
     assert mod.parse_arm("g:gap=32").settings == {"gap": 32}
     assert mod.parse_arm("old:gap=128,fdecay=0.9").settings == {"gap": 128, "fdecay": 0.9}
     assert mod.parse_arm("s:fast=0").settings == {"fast": False}
@@ -146,17 +145,16 @@ def test_a_rows_arm_verifies_that_many_rows_for_its_own_generations(tiny_dirs, m
     from dflash.engine import branches
 
     monkeypatch.delenv("DFLASH_BRANCHES", raising=False)
-    monkeypatch.delenv("DFLASH_ROWS_KEEP", raising=False)
     mod = _module()
-    arms = [mod.parse_arm(s) for s in ("one", "r4:rows=4", "k4:rows=4,keep=1")]
+    arms = [mod.parse_arm(s) for s in ("one", "r4:rows=4")]
     pair = mod.load_for_arms(str(tiny_dirs["llama"]), str(tiny_dirs["llama"] / "draft"), None, arms)
     assert "DFLASH_BRANCHES" not in os.environ and pair.target.branches == 1
-    assert [a.settings["rows"] for a in arms] == [1, 4, 4]
+    assert [a.settings["rows"] for a in arms] == [1, 4]
     prompts = [pair.tokenizer.encode(t) for t in ("The quick brown fox jumps", "def add(a, b):")]
     res = mod.run(pair, prompts, arms, rounds=1, max_tokens=24, baseline=True)
-    assert pair.target.branches == 1 and "DFLASH_ROWS_KEEP" not in os.environ  # restored
+    assert pair.target.branches == 1  # restored
     assert all(r["branch_rows"] == 1 and r["same_ids"] for r in res["one"])
-    assert all(r["branch_rows"] == 4 and r["same_ids"] for name in ("r4", "k4") for r in res[name])
+    assert all(r["branch_rows"] == 4 and r["same_ids"] for r in res["r4"])
     monkeypatch.setattr(branches, "attention_takes_rows", lambda *a: False)
     with pytest.raises(ValueError, match="one row only"):
         with pytest.warns(RuntimeWarning):

@@ -5,21 +5,13 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from dflash.engine import branches, rollback, rowcache
+from dflash.engine import branches, rollback
 from dflash.engine.drafters import OracleDrafter
 from helpers import cut_at_eos, greedy_reference, run_dflash
 from conftest import ARCHS
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
 N_NEW = 64
-
-
-@pytest.fixture(autouse=True, params=["copy", "keep"])
-def rows_cache(request, monkeypatch) -> str:
-    """Every test twice: caches copied into rows each cycle (the default), and kept in rows
-    between cycles (DFLASH_ROWS_KEEP=1, engine/rowcache.py)."""
-    monkeypatch.setenv(rowcache.KEEP_ENV, "1" if request.param == "keep" else "0")
-    return request.param
 
 
 def _logits(rows: list[list[float]]) -> mx.array:

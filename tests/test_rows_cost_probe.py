@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-import pytest
-
-from dflash.engine import rowcache
 from helpers import load_script
 
 
@@ -14,9 +11,7 @@ def _module():
     return load_script("rows_cost_probe")
 
 
-@pytest.mark.parametrize("keep", ["0", "1"])
-def test_probe_times_each_row_count_at_new_lengths_and_leaves_the_cache_one_row(tiny_dirs, monkeypatch, keep):
-    monkeypatch.setenv(rowcache.KEEP_ENV, keep)
+def test_probe_times_each_row_count_at_new_lengths_and_leaves_the_cache_one_row(tiny_dirs, monkeypatch):
     mod = _module()
     grown: list[tuple[int, int]] = []  # (rows, cache length) of every verify
     real = mod.verify
@@ -25,8 +20,7 @@ def test_probe_times_each_row_count_at_new_lengths_and_leaves_the_cache_one_row(
         rows = drafts.shape[0] if drafts.ndim == 2 else 1
         grown.append((rows, caches[0].offset))
         out = real(target, caches, anchor, drafts, record_tape)
-        # the kept row only, whatever was verified; kept rows: as many rows as verified
-        assert caches[0].keys.shape[0] == (rows if keep == "1" else 1)
+        assert caches[0].keys.shape[0] == 1  # the kept row only, whatever was verified
         return out
 
     monkeypatch.setattr(mod, "verify", spy)
