@@ -20,6 +20,7 @@ import msgpack
 import zmq
 
 PROTOCOL_VERSION = 1
+PUT_BYTES_PER_S = 128 << 20  # slowest store rate an acknowledged put is allowed before timing out
 
 
 class CacheClient:
@@ -65,8 +66,13 @@ class CacheClient:
         return got[0]["key"], got[1]
 
     def put(self, key: str, data: bytes, wait: bool = False) -> bool:
-        """Store bytes. wait=False: write-behind, True when handed to the socket (no ack)."""
-        got = self._request({"op": "put", "key": key, "ack": wait}, data, want_reply=wait)
+        """Store bytes. wait=False: write-behind, True when handed to the socket (no ack);
+        wait=True: True only once the cache process has stored them (refused, failed, timed
+        out or unreachable: False)."""
+        # an acknowledged write may take the cache process a while to store (and check): its
+        # timeout grows with its size, at PUT_BYTES_PER_S
+        extra = len(data) / PUT_BYTES_PER_S if wait else 0.0
+        got = self._request({"op": "put", "key": key, "ack": wait}, data, want_reply=wait, extra_s=extra)
         if got is None:
             self.counters["dropped_puts"] += 1
             return False
@@ -93,38 +99,53 @@ class CacheClient:
 
     # --- transport -------------------------------------------------------------------------
     def _request(
-        self, header: dict[str, Any], payload: bytes | None, want_reply: bool
+        self, header: dict[str, Any], payload: bytes | None, want_reply: bool, extra_s: float = 0.0
     ) -> tuple[dict[str, Any], memoryview | None] | None:
-        with self._lock:
-            if time.monotonic() < self._down_until:
-                self.counters["unavailable"] += 1
-                return None
-            self.counters["requests"] += 1
-            sock = self._socket()
-            rid = next(self._ids)
-            frames = [msgpack.packb(dict(header, v=PROTOCOL_VERSION, id=rid), use_bin_type=True)]
-            if payload is not None:
-                frames.append(payload)
-            # Wait for a connection only on a new socket or when a reply is due; a write-behind
-            # put on a connected socket that cannot be queued at once (peer gone or writes
-            # piled up) is dropped instead of stalling generation.
-            wait = want_reply or not self._connected
-            if not sock.poll(int(1000 * self.connect_timeout_s) if wait else 0, zmq.POLLOUT):
-                if wait:
-                    self._fail(timeout=False)
-                return None
-            try:
-                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-            except zmq.ZMQError:
-                self._fail(timeout=False)
-                return None
-            self._connected = True
-            if not want_reply:
-                return {"ok": True}, None
-            return self._await(sock, rid)
+        # Bounded wait for the lock: another thread's call (the prefix cache's writer awaiting a
+        # write's acknowledgement) may hold it; a lookup gives up (a miss) rather than wait longer
+        # than one call of its own would.
+        if not self._lock.acquire(timeout=self.timeout_s + self.connect_timeout_s):
+            self.counters["unavailable"] += 1
+            return None
+        try:
+            return self._locked_request(header, payload, want_reply, extra_s)
+        finally:
+            self._lock.release()
 
-    def _await(self, sock: zmq.Socket, rid: int) -> tuple[dict[str, Any], memoryview | None] | None:
-        deadline = time.monotonic() + self.timeout_s
+    def _locked_request(
+        self, header: dict[str, Any], payload: bytes | None, want_reply: bool, extra_s: float
+    ) -> tuple[dict[str, Any], memoryview | None] | None:
+        if time.monotonic() < self._down_until:
+            self.counters["unavailable"] += 1
+            return None
+        self.counters["requests"] += 1
+        sock = self._socket()
+        rid = next(self._ids)
+        frames = [msgpack.packb(dict(header, v=PROTOCOL_VERSION, id=rid), use_bin_type=True)]
+        if payload is not None:
+            frames.append(payload)
+        # Wait for a connection only on a new socket or when a reply is due; a write-behind
+        # put on a connected socket that cannot be queued at once (peer gone or writes
+        # piled up) is dropped instead of stalling generation.
+        wait = want_reply or not self._connected
+        if not sock.poll(int(1000 * self.connect_timeout_s) if wait else 0, zmq.POLLOUT):
+            if wait:
+                self._fail(timeout=False)
+            return None
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:
+            self._fail(timeout=False)
+            return None
+        self._connected = True
+        if not want_reply:
+            return {"ok": True}, None
+        return self._await(sock, rid, extra_s)
+
+    def _await(
+        self, sock: zmq.Socket, rid: int, extra_s: float = 0.0
+    ) -> tuple[dict[str, Any], memoryview | None] | None:
+        deadline = time.monotonic() + self.timeout_s + extra_s
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):

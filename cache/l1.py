@@ -16,7 +16,8 @@ class L1Entry:
     n_tokens: int
     value: Any
     nbytes: int
-    in_l2: bool = False  # already written to L2 (write-through succeeded, or came from L2)
+    in_l2: bool = False  # in L2: the cache process acknowledged its write, or it came from L2
+    pending: bool = False  # a write to L2 is queued or under way (its outcome not known yet)
 
 
 class L1:

@@ -10,6 +10,8 @@ map of dflash.cache.snapshot, built cheaply on the caller's thread), and `decode
 one back (engine/prefix.py provides both). L2 writes are write-behind: a writer thread turns
 bodies into bytes and hands them to the cache process, so taking a snapshot during a prefill
 never waits for encoding or the socket (it did: ~2 s of a 31 ms H200 prefill at 4K tokens).
+The writer awaits each write's acknowledgement: an L1 entry counts as in L2 only then, so one
+whose write did not land is spilled when L1 evicts it instead of being lost from both tiers.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from . import snapshot as fmt
 from .snapshot import FORMAT_VERSION, CorruptSnapshot
 
 log = logging.getLogger("dflash.cache")
+MAX_KNOWN_ENDS = 1024  # off-grid prompt lengths remembered as lookup candidates
 
 
 class SnapshotLike(Protocol):
@@ -75,6 +78,8 @@ class PrefixCacheStats:
     corrupt_dropped: int = 0
     l2_writes: int = 0
     l2_dropped_writes: int = 0
+    l2_too_large: int = 0  # snapshots over the whole L2 budget: kept in L1 only, never sent
+    mismatch_dropped: int = 0  # snapshots that did not fit the loaded model: dropped, prefilled cold
     l1: TierStats = field(default_factory=TierStats)
     l2: TierStats = field(default_factory=TierStats)
 
@@ -92,6 +97,7 @@ class PrefixCache:
         every: int = 256,
         write_through: bool = True,
         max_pending_writes: int = 8,
+        l2_max_bytes: int | None = None,
     ):
         if every < 1:
             raise ValueError("every must be >= 1")
@@ -102,9 +108,12 @@ class PrefixCache:
         self.l1 = L1(l1_max_bytes, l1_max_entries)
         self.every = every
         self.write_through = write_through
-        self._known_ends: set[int] = set()  # prompt lengths stored off the `every` grid
+        self.l2_max_bytes = l2_max_bytes  # the cache process's size limit: larger ones are refused
+        # prompt lengths stored off the `every` grid, most recent last; bounded: each is probed
+        # (hashed, and asked of the cache process) on every lookup of a longer prompt
+        self._known_ends: dict[int, None] = {}
         self._stats = PrefixCacheStats()
-        self._writes: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue(maxsize=max_pending_writes)
+        self._writes: queue.Queue[tuple[str, dict[str, Any], L1Entry]] = queue.Queue(maxsize=max_pending_writes)
         self._writer: threading.Thread | None = None
 
     # --- the engine's interface ------------------------------------------------------------
@@ -119,7 +128,7 @@ class PrefixCache:
         keys = dict(zip(lengths, self._keys(ids, lengths)))
         best = next(((n, e) for n in lengths if (e := self.l1.get(keys[n])) is not None), None)
         # Only a longer prefix is worth a round trip to the cache process.
-        found = self._lookup_l2([keys[n] for n in lengths if best is None or n > best[0]])
+        found = self._lookup_l2({keys[n]: n for n in lengths if best is None or n > best[0]})
         if found is not None:
             return found
         if best is None:
@@ -136,14 +145,29 @@ class PrefixCache:
             raise ValueError(f"snapshot holds {snap.n_tokens} tokens, ids has {n}")
         self._stats.inserts += 1
         if n % self.every:
-            self._known_ends.add(n)
+            self._known_ends.pop(n, None)
+            self._known_ends[n] = None
+            if len(self._known_ends) > MAX_KNOWN_ENDS:
+                del self._known_ends[next(iter(self._known_ends))]
         key = self._keys(ids, [n])[0]
-        in_l2 = self.write_through and self._write_l2(key, snap)
-        self._spill(self.l1.put(key, L1Entry(n, snap, snap.nbytes, in_l2)))
+        entry = L1Entry(n, snap, snap.nbytes)
+        if self.write_through:
+            self._write_l2(key, entry)
+        self._spill(self.l1.put(key, entry))
+
+    def discard(self, ids: Sequence[int]) -> None:
+        """Drop the snapshot stored after exactly `ids` from both tiers: it did not fit the
+        loaded model (engine/prefix.py check_fits), so it would never be restored anyway."""
+        key = self._keys(ids, [len(ids)])[0]
+        self._stats.mismatch_dropped += 1
+        self.l1.pop(key)
+        if self.l2 is not None:
+            self.l2.delete(key)
 
     # --- housekeeping ----------------------------------------------------------------------
     def wait_writes(self, timeout: float | None = None) -> bool:
-        """Wait (up to `timeout` s) until every queued L2 write is on its way to the cache process."""
+        """Wait (up to `timeout` s) until every queued L2 write was stored by the cache process
+        (or failed)."""
         q = self._writes
         with q.all_tasks_done:
             return q.all_tasks_done.wait_for(lambda: q.unfinished_tasks == 0, timeout)
@@ -187,7 +211,9 @@ class PrefixCache:
             out[n] = "snap:" + h.copy().hexdigest()
         return [out[n] for n in lengths]
 
-    def _lookup_l2(self, keys: list[str]) -> tuple[int, SnapshotLike] | None:
+    def _lookup_l2(self, wanted: dict[str, int]) -> tuple[int, SnapshotLike] | None:
+        """The first of the keys (longest first) L2 holds intact; `wanted`: key -> prefix length."""
+        keys = list(wanted)
         if self.l2 is None or not keys:
             return None
         while keys:
@@ -200,6 +226,8 @@ class PrefixCache:
                 if fmt.entry_key(data) != key:
                     raise CorruptSnapshot("entry belongs to another key")
                 snap = self.decode(data)
+                if snap.n_tokens != wanted.get(key):  # a snapshot of other tokens than its key's
+                    raise CorruptSnapshot(f"holds {snap.n_tokens} tokens, its key {wanted.get(key)}")
             except CorruptSnapshot as e:
                 log.warning("dropping corrupt L2 entry %s: %s", key, e)
                 self._stats.corrupt_dropped += 1
@@ -213,44 +241,62 @@ class PrefixCache:
             return n, snap
         return None
 
-    def _write_l2(self, key: str, snap: SnapshotLike) -> bool:
-        """Queue a write-behind (True) or drop it when L2 is absent or writes pile up (False)."""
-        if self.l2 is None:
-            return False
+    def _write_l2(self, key: str, entry: L1Entry) -> None:
+        """Queue a write-behind of `entry`, unless L2 is absent, could never hold it, or writes
+        pile up (then dropped, counted: the entry stays not in L2 and is spilled on eviction).
+
+        `entry.in_l2` turns True only when the cache process acknowledged the write, so a write
+        that never landed (process down, queue full, refused) leaves the entry to be spilled
+        when L1 evicts it, instead of being lost from both tiers."""
+        if self.l2 is None or entry.in_l2 or entry.pending:
+            return
+        if self.l2_max_bytes is not None and entry.nbytes > self.l2_max_bytes:
+            self._stats.l2_too_large += 1  # the cache process would refuse it: not encoded, not sent
+            return
         try:
-            body = snap.body()
+            body = entry.value.body()
         except Exception:  # an encoding bug must not break generation; L1 still serves
             log.exception("could not encode snapshot %s", key)
-            return False
+            return
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_loop, name="dflash-l2-writer", daemon=True)
             self._writer.start()
+        entry.pending = True
         try:
-            self._writes.put_nowait((key, body))
+            self._writes.put_nowait((key, body, entry))
         except queue.Full:
+            entry.pending = False
             self._stats.l2_dropped_writes += 1
-            return False
-        return True
 
     def _write_loop(self) -> None:
-        """The writer thread: bytes for each queued body, handed to the cache process in order."""
+        """The writer thread: bytes for each queued body, stored by the cache process in order;
+        an entry counts as in L2 once the process acknowledged its write."""
         while True:
-            key, body = self._writes.get()
+            key, body, entry = self._writes.get()
             try:
-                ok = self.l2 is not None and self.l2.put(key, fmt.encode(body, key))
+                data = fmt.encode(body, key)
+                del body
+                if self.l2_max_bytes is not None and len(data) > self.l2_max_bytes:
+                    self._stats.l2_too_large += 1
+                    continue
+                ok = self.l2 is not None and self.l2.put(key, data, wait=True)
+                if ok:
+                    entry.in_l2 = True  # before pending drops: the engine thread never sees neither
                 self._stats.l2_writes += ok
                 self._stats.l2_dropped_writes += not ok
             except Exception:
                 log.exception("could not write snapshot %s", key)
                 self._stats.l2_dropped_writes += 1
             finally:
-                del body
+                body = data = None
+                entry.pending = False
                 self._writes.task_done()
 
     def _spill(self, evicted: list[tuple[str, L1Entry]]) -> None:
+        """Write evicted entries that are not in L2 yet (a write still under way will land or
+        fail on its own: nothing more can be done for it without holding its memory)."""
         for key, entry in evicted:
-            if not entry.in_l2:
-                self._write_l2(key, entry.value)
+            self._write_l2(key, entry)
 
 
 def _id_bytes(ids: Sequence[int]) -> bytes:

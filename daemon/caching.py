@@ -75,13 +75,16 @@ def _draft_dtype(pair: Any) -> str:
 
 
 def build_prefix_cache(cfg: DaemonConfig, pair: Any) -> PrefixCache:
-    """L1 within the configured budgets, write-through to the cache process."""
+    """L1 within the configured budgets, write-through to the cache process; snapshots larger
+    than the cache process's size limit (`l2_cache_gb`, the same bytes the supervisor passes as
+    --size-limit) are kept in L1 only instead of being encoded and sent to be refused."""
     from dflash.engine.prefix import Snapshot
 
     ident = pair_identity(pair, cfg.dtype)
     client = CacheClient(cfg.resolved_cache_endpoint())
     return PrefixCache(ident, Snapshot.decode, client, l1_max_bytes=int(cfg.l1_cache_gb * (1 << 30)),
-                       l1_max_entries=cfg.l1_cache_entries, every=cfg.cache_every)
+                       l1_max_entries=cfg.l1_cache_entries, every=cfg.cache_every,
+                       l2_max_bytes=int(cfg.l2_cache_gb * (1 << 30)))
 
 
 class RefreshView:
@@ -115,7 +118,7 @@ def cache_stats(cfg: DaemonConfig, cache: PrefixCache | None, remote: dict | Non
     local = cache.stats(remote=False) if cache is not None else None
     if local is not None:
         out.update({k: local[k] for k in ("lookups", "misses", "inserts", "l2_writes", "l2_dropped_writes",
-                                           "corrupt_dropped")})
+                                           "l2_too_large", "corrupt_dropped", "mismatch_dropped")})
         out["l1"], out["l2"] = dict(local["l1"]), dict(local["l2"])
         out["hits"] = local["l1"]["hits"] + local["l2"]["hits"]
         out["hit_tokens"] = local["l1"]["hit_tokens"] + local["l2"]["hit_tokens"]

@@ -15,7 +15,9 @@ restore hands each cache fresh array objects, so a restored request never alters
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 import mlx.core as mx
@@ -108,37 +110,204 @@ def take(caches: Sequence[Any], drafter: Any, logits: mx.array, n_tokens: int) -
 
 
 def check_fits(snap: Snapshot, caches: Sequence[Any], drafter: Any) -> None:
-    """Raise SnapshotMismatch unless `snap` can be restored into these (fresh) caches."""
+    """Raise SnapshotMismatch unless `snap` can be restored into these (fresh) caches.
+
+    Besides the layout (layer count, cache kinds, offsets), every array must have the dtype and
+    shape (heads, head dim, state sizes; rows = offset) that the loaded model computes: the cache
+    key already binds a snapshot to its model, this guards against a key that lies (a model
+    changed in a way its identity does not see) and against a malformed body. Nothing is touched
+    here, so a snapshot that does not fit leaves the caches as they were: fresh.
+    """
     if len(snap.target) != len(caches):
         raise SnapshotMismatch(f"{len(snap.target)} cache states for {len(caches)} layers")
     for i, (st, c) in enumerate(zip(snap.target, caches)):
-        if st["kind"] != cache_kind(c):
-            raise SnapshotMismatch(f"layer {i}: snapshot {st['kind']}, cache {cache_kind(c)}")
+        if not isinstance(st, dict) or st.get("kind") != cache_kind(c):
+            kind = st.get("kind") if isinstance(st, dict) else type(st).__name__
+            raise SnapshotMismatch(f"layer {i}: snapshot {kind}, cache {cache_kind(c)}")
+        _check_state(st, snap.n_tokens, f"layer {i}")
         if st["kind"] == "gdn" and len(st["arrays"]) != len(c.cache):
             raise SnapshotMismatch(f"layer {i}: recurrent state size differs")
+        if st["kind"] == "rotating" and (st["keep"], st["max_size"]) != (c.keep, c.max_size):
+            raise SnapshotMismatch(f"layer {i}: sliding window keep/size {st['keep']}/{st['max_size']}, "
+                                   f"cache {c.keep}/{c.max_size}")
     dcache = getattr(drafter, "cache", None)
     if (snap.draft is None) != (dcache is None):
         raise SnapshotMismatch("draft context presence differs")
     if dcache is not None and len(snap.draft) != len(dcache):
         raise SnapshotMismatch("draft layer count differs")
-    for st in snap.target + (snap.draft or []):
-        if "offset" in st and st["offset"] != snap.n_tokens:
-            raise SnapshotMismatch(f"a cache holds {st['offset']} rows, expected {snap.n_tokens}")
+    for i, st in enumerate(snap.draft or []):
+        if not isinstance(st, dict) or st.get("kind") != "kv":
+            raise SnapshotMismatch(f"draft layer {i}: not a kv state")
+        _check_state(st, snap.n_tokens, f"draft layer {i}")
+    if not isinstance(snap.logits, mx.array) or snap.logits.ndim != 3 or snap.logits.shape[:2] != (1, 1):
+        raise SnapshotMismatch("last logits are not [1, 1, V]")
+    want = model_layout(drafter)
+    if want is not None:
+        _check_layout(snap, want)
+
+
+# fields of each kind: (ints, single arrays, lists of arrays)
+_FIELDS = {
+    "kv": (("offset",), ("keys", "values"), ()),
+    "rotating": (("offset", "keep", "max_size"), ("keys", "values"), ()),
+    "quantized": (("offset", "group_size", "bits"), (), ("keys", "values")),
+    "gdn": ((), (), ("arrays",)),
+}
+
+
+def _check_state(st: dict[str, Any], n: int, where: str) -> None:
+    """Every field the kind needs, of the right type, with rows that agree with the offset."""
+    ints, arrays, lists = _FIELDS.get(st.get("kind"), (None, None, None))
+    if ints is None:
+        raise SnapshotMismatch(f"{where}: unknown cache kind {st.get('kind')!r}")
+    for f in ints:
+        if type(st.get(f)) is not int or st[f] < 0:
+            raise SnapshotMismatch(f"{where}: {f} missing or not an int")
+    for f in arrays:
+        if not isinstance(st.get(f), mx.array) or st[f].ndim != 4:
+            raise SnapshotMismatch(f"{where}: {f} missing or not a 4-d array")
+    for f in lists:
+        v = st.get(f)
+        if not isinstance(v, (list, tuple)) or not all(a is None or isinstance(a, mx.array) for a in v):
+            raise SnapshotMismatch(f"{where}: {f} missing or not a list of arrays")
+    if "offset" in ints and st["offset"] != n:
+        raise SnapshotMismatch(f"{where}: a cache holds {st['offset']} rows, expected {n}")
+    kind = st["kind"]
+    if kind == "kv" and not st["keys"].shape[2] == st["values"].shape[2] == n:
+        raise SnapshotMismatch(f"{where}: {st['keys'].shape[2]} key rows for offset {n}")
+    if kind == "rotating" and not 0 < st["keys"].shape[2] == st["values"].shape[2] <= n:
+        raise SnapshotMismatch(f"{where}: {st['keys'].shape[2]} window rows for offset {n}")
+    if kind == "quantized":
+        parts = [*st["keys"], *st["values"]]
+        if not parts or any(a is None or a.ndim != 4 or a.shape[2] != n for a in parts):
+            raise SnapshotMismatch(f"{where}: quantized rows do not match offset {n}")
+
+
+# --- what the loaded model computes: dtypes and shapes of its cache states ---------------------
+_LAYOUTS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def model_layout(drafter: Any) -> tuple[list, list | None, tuple] | None:
+    """(target state layouts, draft state layouts, logits layout) of the drafter's target pair,
+    measured once per drafter by one token through scratch caches (the model's own dtypes and
+    shapes, whatever its family); None when the drafter does not say its target."""
+    target = getattr(drafter, "target", None)
+    draft = getattr(drafter, "draft", None)
+    if target is None or not hasattr(target, "make_cache") or not hasattr(draft, "make_cache"):
+        return None
+    try:
+        return _LAYOUTS[drafter]
+    except KeyError:
+        pass
+    except TypeError:  # not weakly referenceable: measured each time
+        return _measure(drafter, target, draft)
+    _LAYOUTS[drafter] = layout = _measure(drafter, target, draft)
+    return layout
+
+
+def _measure(drafter: Any, target: Any, draft: Any) -> tuple[list, list | None, tuple] | None:
+    caches = target.make_cache()
+    saved = drafter.cache
+    try:
+        logits, features = target.forward(mx.array([[0]], dtype=mx.int32), caches, last_only=True)
+        drafter.cache = draft.make_cache()
+        drafter.add_context(features)
+        probe = take(caches, SimpleNamespace(cache=drafter.cache), logits, 1)
+    except Exception:  # cannot measure (an unusual target): the key alone has to do
+        log.warning("could not measure the model's cache layout; snapshots are checked by key only",
+                    exc_info=True)
+        return None
+    finally:
+        drafter.cache = saved
+    return ([_state_layout(st) for st in probe.target],
+            None if probe.draft is None else [_state_layout(st) for st in probe.draft],
+            _array_layout(probe.logits, None))
+
+
+def _array_layout(a: Any, seq_axis: int | None) -> tuple | None:
+    """dtype and shape of one array, the sequence axis left out (its length is the prefix's)."""
+    if a is None:
+        return None
+    shape = list(a.shape)
+    if seq_axis is not None and len(shape) > abs(seq_axis):
+        shape[seq_axis] = None
+    return str(a.dtype), tuple(shape)
+
+
+def _state_layout(st: dict[str, Any]) -> dict[str, Any]:
+    seq = None if st.get("kind") == "gdn" else 2
+    out: dict[str, Any] = {}
+    for f, v in st.items():
+        if isinstance(v, mx.array):
+            out[f] = _array_layout(v, seq)
+        elif isinstance(v, (list, tuple)):
+            out[f] = [_array_layout(a, seq) for a in v]
+    return out
+
+
+def _quantized_layout(w: dict[str, Any], group_size: int, bits: int) -> dict[str, Any]:
+    """What mx.quantize makes of K/V laid out as `w`: packed uint32 words, scales and biases."""
+    out = {}
+    for f in ("keys", "values"):
+        if w.get(f) is None:
+            continue
+        dtype, (*lead, dim) = w[f]
+        out[f] = [("mlx.core.uint32", (*lead, dim * bits // 32)),
+                  (dtype, (*lead, dim // group_size)), (dtype, (*lead, dim // group_size))]
+    out["bits"] = bits
+    return out
+
+
+def _check_layout(snap: Snapshot, want: tuple[list, list | None, tuple]) -> None:
+    target, draft, logits = want
+    pairs = [(f"layer {i}", st, w) for i, (st, w) in enumerate(zip(snap.target, target))]
+    if draft is not None and snap.draft is not None:
+        if len(draft) != len(snap.draft):
+            raise SnapshotMismatch("draft layer count differs from the loaded draft")
+        pairs += [(f"draft layer {i}", st, w) for i, (st, w) in enumerate(zip(snap.draft, draft))]
+    for where, st, w in pairs:
+        got = _state_layout(st)
+        if st["kind"] == "quantized" and "bits" not in w:
+            w = _quantized_layout(w, st["group_size"], st["bits"])
+        for f in set(got) & set(w):  # a rotating snapshot for a plain KV probe shares its fields
+            if got[f] != w[f]:
+                raise SnapshotMismatch(f"{where}: {f} is {got[f]}, the loaded model makes {w[f]}")
+    if _array_layout(snap.logits, None) != logits:
+        raise SnapshotMismatch(f"last logits are {_array_layout(snap.logits, None)}, "
+                               f"the loaded model makes {logits}")
 
 
 def restore(snap: Snapshot, caches: list[Any], drafter: Any) -> mx.array:
-    """Fill fresh caches (and the drafter's context) from `snap`; return its last logits."""
+    """Fill fresh caches (and the drafter's context) from `snap`; return its last logits.
+
+    All or nothing: everything is checked first, and should applying fail anyway, every cache
+    is put back as it was, so the caller's cold prefill starts from fresh caches."""
     check_fits(snap, caches, drafter)
-    for st, c in zip(snap.target, caches):
-        _apply(st, c)
-    if snap.draft is not None:
-        fresh = []
-        for st in snap.draft:
-            c = KVCache()
+    saved = [_attrs(c) for c in caches]
+    try:
+        for st, c in zip(snap.target, caches):
             _apply(st, c)
-            fresh.append(c)
+        fresh = None
+        if snap.draft is not None:
+            fresh = []
+            for st in snap.draft:
+                c = KVCache()
+                _apply(st, c)
+                fresh.append(c)
+        logits = snap.logits[...]
+    except Exception:
+        for c, attrs in zip(caches, saved):
+            c.__dict__.clear()
+            c.__dict__.update(attrs)
+        raise
+    if fresh is not None:
         drafter.cache = fresh
-    return snap.logits[...]
+    return logits
+
+
+def _attrs(c: Any) -> dict[str, Any]:
+    """A cache's attributes, its lists copied (ArraysCache updates one in place)."""
+    return {k: list(v) if isinstance(v, list) else v for k, v in vars(c).items()}
 
 
 def _capture(c: Any) -> dict[str, Any]:
@@ -265,7 +434,11 @@ class PrefixSession:
         self.marks = sorted(set(bounds(len(self.ids)) if bounds else [len(self.ids)]))
 
     def restore(self) -> tuple[int, mx.array | None]:
-        """(tokens restored, last logits) from the longest hit, or (0, None)."""
+        """(tokens restored, last logits) from the longest hit, or (0, None).
+
+        A snapshot that does not fit the loaded model is dropped from the cache (counted,
+        logged once per reason) and the prompt is prefilled cold from fresh caches."""
+        n = 0
         try:
             found = self.cache.lookup(self.ids)
             if found is None:
@@ -274,6 +447,15 @@ class PrefixSession:
             if not 0 < n <= len(self.ids) or snap.n_tokens != n:
                 raise SnapshotMismatch(f"lookup returned {n} tokens for a {snap.n_tokens} snapshot")
             return n, restore(snap, self.caches, self.drafter)
+        except SnapshotMismatch as e:
+            _warn_once(f"prefix snapshot does not fit the loaded model ({e}): dropped, prefilling cold")
+            discard = getattr(self.cache, "discard", None)
+            if discard is not None and 0 < n <= len(self.ids):
+                try:
+                    discard(self.ids[:n])
+                except Exception:
+                    log.exception("could not drop a prefix snapshot")
+            return 0, None
         except Exception:
             log.exception("prefix cache lookup failed; prefilling cold")
             return 0, None
@@ -284,3 +466,15 @@ class PrefixSession:
             self.cache.insert(self.ids[:n], take(self.caches, self.drafter, logits, n))
         except Exception:
             log.exception("prefix cache insert failed at %d tokens", n)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    """A warning the first time it is seen (at most 64 distinct ones), then debug lines only."""
+    if msg in _WARNED or len(_WARNED) >= 64:
+        log.debug("%s", msg)
+        return
+    _WARNED.add(msg)
+    log.warning("%s", msg)
