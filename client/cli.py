@@ -416,7 +416,7 @@ def positions():
 @click.argument("spec", callback=_positions)
 @click.pass_obj
 def positions_put(client: DFlashClient, name, spec):
-    """Store SPEC (e.g. '0-63,128-255') under NAME."""
+    """Store SPEC, prompt token indices such as '0-63,128-255', under NAME."""
     _print(lambda: client.put_positions(name, spec))
 
 
@@ -424,12 +424,14 @@ def positions_put(client: DFlashClient, name, spec):
 @click.argument("name")
 @click.pass_obj
 def positions_get(client: DFlashClient, name):
+    """Print the list stored under NAME (JSON)."""
     _print(lambda: client.get_positions(name))
 
 
 @positions.command("list")
 @click.pass_obj
 def positions_list(client: DFlashClient):
+    """Print the stored lists' names (JSON)."""
     _print(client.list_positions)
 
 
@@ -437,6 +439,7 @@ def positions_list(client: DFlashClient):
 @click.argument("name")
 @click.pass_obj
 def positions_delete(client: DFlashClient, name):
+    """Delete the list stored under NAME."""
     _print(lambda: {"name": name, "deleted": client.delete_positions(name)})
 
 

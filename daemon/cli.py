@@ -335,6 +335,8 @@ def install(config_path, dest, no_load, kind, **flags):
     from .install import install_agents
 
     cfg = _resolve(config_path, **flags)
+    if not cfg.model:  # a configuration error, exit 2 as for `start` (docs/daemon.md, exit codes)
+        raise BadConfig("no model configured: pass --model, set DFLASH_MODEL or `model` in the config")
     try:
         lines = install_agents(cfg, Path(dest) if dest else None, load=not no_load, kind=kind)
     except (ValueError, OSError) as e:

@@ -450,8 +450,8 @@ def format_stats(s: dict[str, Any]) -> str:
     g = s.get
     return (
         f"[dflash] prompt {g('prompt_tokens', 0)} tok ({g('cached_prompt_tokens', 0)} cached), "
-        f"{g('prefill_tps', 0):.1f} tok/s | generated {g('generated_tokens', 0)} tok, "
-        f"{g('decode_tps', 0):.1f} tok/s{_speedup(g('est_speedup', 0))} | "
+        f"{_prefill_rate(s)} | generated {g('generated_tokens', 0)} tok, "
+        f"{g('decode_tps', 0):.1f} tok/s{_speedup(s)} | "
         f"acceptance {g('acceptance', 0):.1%}, "
         f"{g('tokens_per_cycle', 0):.2f} tok/cycle over {g('cycles', 0)} cycles "
         f"(verify window {g('mean_verify_window', 0):.1f}, {g('plain_steps', 0)} plain, "
@@ -498,8 +498,21 @@ def _rows(s: dict[str, Any]) -> str:
             f"{s.get('branch_wins', 0)} kept a swapped row")
 
 
-def _speedup(x: float) -> str:
-    return f" (~{x:.2f}x plain decoding, est.)" if x else ""
+def _prefill_rate(s: dict[str, Any]) -> str:
+    """Prefill speed, or "nothing to prefill" when the prefix cache held the whole prompt (its
+    rate, 0 tokens over the restore, would read as a stall)."""
+    if s.get("prompt_tokens", 0) and s.get("cached_prompt_tokens", 0) >= s.get("prompt_tokens", 0):
+        return "nothing to prefill"
+    return f"{s.get('prefill_tps', 0):.1f} tok/s"
+
+
+def _speedup(s: dict[str, Any]) -> str:
+    """The estimate against plain decoding; none for a run of plain steps only (window 1), which
+    would compare plain decoding with itself."""
+    x = s.get("est_speedup", 0)
+    if not x or s.get("plain_steps", 0) >= s.get("cycles", 0):
+        return ""
+    return f" (~{x:.2f}x plain decoding, est.)"
 
 
 def _peak_memory_gb() -> float:

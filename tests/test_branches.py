@@ -189,6 +189,22 @@ def test_stats_line_names_the_rows(pairs):
     assert "draft rows" not in format_stats(one.stats.to_dict())
 
 
+def test_stats_line_on_a_cached_prompt_and_on_plain_steps(pairs):
+    """A prompt the prefix cache held whole is no 0 tok/s prefill; a run of plain steps only has
+    no speedup estimate (it would compare plain decoding with itself)."""
+    from dflash.engine.generate import format_stats
+
+    pair = pairs("qwen3")
+    plain, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, pair.tokenizer.encode(PROMPT),
+                          16, verify_window=1)
+    s = plain.stats.to_dict()
+    assert s["plain_steps"] == s["cycles"] and s["est_speedup"] > 0  # the estimate is kept in stats
+    assert "plain decoding, est." not in format_stats(s)  # but not shown: plain against plain
+    assert "plain decoding, est." in format_stats({**s, "plain_steps": s["cycles"] - 1})
+    cached = format_stats({**s, "cached_prompt_tokens": s["prompt_tokens"], "prefill_tps": 0.0})
+    assert "cached), nothing to prefill |" in cached and "0.0 tok/s |" not in cached
+
+
 def test_rows_on_a_cuda_gpu_only_where_the_kernel_takes_the_attention(monkeypatch):
     """MLX 0.32's own CUDA attention failed over batched rows (session 15), so on a GPU rows need
     fewq's kernel: bf16/fp16, its head shapes, the kernel chosen; the CPU takes rows either way."""
