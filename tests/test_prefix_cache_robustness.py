@@ -142,6 +142,14 @@ def test_snapshot_of_other_dtype_is_dropped(pairs, tiny_dirs, cache_proc):  # no
     _mismatch_case(pairs("qwen3"), load_pair(d, d / "draft", dtype="bfloat16"), cache_proc)
 
 
+def _run_over_planted(pair, ids, proc, key: str, body: dict):
+    """Store `body` under `key` in the cache process, then generate `ids` with a fresh prefix
+    cache over it: (the run's Finished, that cache)."""
+    assert proc.client().put(key, fmt.encode(body, key), wait=True)
+    fresh = PrefixCache(_ident(), Snapshot.decode, proc.client(), every=EVERY)
+    return _gen(pair, ids, fresh), fresh
+
+
 def test_malformed_snapshot_is_never_half_restored(pairs, cache_proc):  # noqa: F811
     pair = pairs("qwen3")
     proc = cache_proc()
@@ -152,10 +160,7 @@ def test_malformed_snapshot_is_never_half_restored(pairs, cache_proc):  # noqa: 
     key = pc._keys(ids, [len(ids)])[0]
     body = pc.l1.get(key).value.body()
     del body["target"][-1]["offset"]  # intact bytes, but the last layer cannot be restored
-    assert proc.client().put(key, fmt.encode(body, key), wait=True)
-
-    fresh = PrefixCache(_ident(), Snapshot.decode, proc.client(), every=EVERY)
-    out = _gen(pair, ids, fresh)
+    out, fresh = _run_over_planted(pair, ids, proc, key, body)
     assert out.stats.cached_prompt_tokens == 0
     assert out.token_ids == plain.token_ids
     assert fresh.stats()["mismatch_dropped"] == 1
@@ -193,10 +198,7 @@ def test_l2_entry_of_other_length_than_its_key_is_refused(pairs, cache_proc):  #
     _gen(pair, other, pc)
     foreign = pc.l1.get(pc._keys(other, [EVERY])[0]).value.body()  # other[:16]
     key = pc._keys(ids, [len(ids)])[0]
-    assert proc.client().put(key, fmt.encode(foreign, key), wait=True)
-
-    fresh = PrefixCache(_ident(), Snapshot.decode, proc.client(), every=EVERY)
-    out = _gen(pair, ids, fresh)
+    out, fresh = _run_over_planted(pair, ids, proc, key, foreign)
     assert out.stats.cached_prompt_tokens == 0
     assert out.token_ids == plain.token_ids
     assert fresh.stats()["corrupt_dropped"] == 1

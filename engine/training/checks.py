@@ -13,10 +13,14 @@ from .checkpoint import load_trainer, recover
 ARCH_OPTIONS = ("layers", "block_size", "num_capture", "layer_ids", "mask_token_id")
 
 
-def check_out(out: str, resume: str | bool | None) -> None:
-    """Refuse an empty --out, and one whose checkpoint a fresh run would overwrite."""
+def check_out_named(out: str) -> None:
+    """Refuse an empty --out (before anything looks inside it)."""
     if not out.strip():
         raise ValueError("--out is empty: name the folder for the draft and its checkpoint")
+
+
+def check_out(out: str, resume: str | bool | None) -> None:
+    """Refuse an --out whose checkpoint (or model) a fresh run would overwrite."""
     ckpt = Path(out) / "checkpoint"
     if resume is not True:
         check_foreign_model(out)
@@ -117,8 +121,7 @@ def recover_checkpoints(opts: Any) -> list[str]:
 def preflight(opts: Any, explicit_arch: dict[str, Any] | None = None) -> list[str]:
     """Every check above for TrainOptions `opts`; `explicit_arch`: architecture options the
     user typed (the CLI knows them; the Python API passes none). Returns notes for the log."""
-    if not opts.out.strip():
-        raise ValueError("--out is empty: name the folder for the draft and its checkpoint")
+    check_out_named(opts.out)
     notes = recover_checkpoints(opts)  # first: --resume may name the folder it puts back
     check_paths(opts)
     check_out(opts.out, opts.resume or opts.data_only)  # --data-only writes no checkpoint
