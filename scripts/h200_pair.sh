@@ -16,6 +16,10 @@
 #   pack [RUN]          - the checkpoint parts (bf16, <= 15 MB each) + config/trainer/index + a
 #                         reports tar + the derived prompts (gzip) into $OUT (8 files, ~50 MB:
 #                         within the tool's 8 x 16 MiB, 64 MiB in all)
+#   snap [RUN]          - the run's latest periodic checkpoint (--ckpt-every: weights, trainer.json,
+#                         config, index) into $OUT when its step is newer than the last snap's: a
+#                         machine taken back mid-training (session 32) then loses only what came
+#                         after the last call, and the next session resumes from the snap
 #   packdata            - the data cache (prompts + responses, JSONL) as xz parts of <= 15 MB into $OUT:
 #                         keep them here in .campaign-data/ (ignored) and stage them next session
 #                         (mlx-cuda-prepare.sh .campaign-data/*): `data`/`start` unpack them first,
@@ -113,8 +117,24 @@ case "$1" in
       cp "$run"/checkpoint/draft_vocab.json "$OUT"/
     fi
     tar tf "$OUT/reports.tar" | grep checkpoint/; ls -la "$OUT" ;;
-  packdata)
-    (cd "$TRAIN" && tar cf - --exclude=.unpacked data) | xz -T0 -6 | split -d -a 2 -b 15000000 - "$OUT/campaign-data.tar.xz."
+  snap)
+    ck=${2:-$TRAIN}/checkpoint
+    [ -f "$ck/trainer.json" ] || { echo "snap: no checkpoint yet"; exit 0; }
+    [ -z "$(ls -A "$OUT")" ] || { echo "snap: \$OUT is in use this call; the next call brings it"; exit 0; }
+    step=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['step'])" "$ck/trainer.json")
+    if [ "$step" = "$(cat /tmp/snap_step 2>/dev/null)" ]; then echo "snap: step $step already brought back"; exit 0; fi
+    # save_checkpoint swaps the whole folder in by rename every --ckpt-every steps: a copy is kept
+    # only when the step read before it, the copy's own and the one read after it agree
+    rm -rf /tmp/snap; cp -r "$ck" /tmp/snap 2>/dev/null
+    for f in /tmp/snap/trainer.json "$ck/trainer.json"; do
+      [ "$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['step'])" "$f" 2>/dev/null)" = "$step" ] \
+        || { echo "snap: a checkpoint was written while copying; the next call brings it"; exit 0; }
+    done
+    cp /tmp/snap/model-*.safetensors /tmp/snap/model.safetensors.index.json /tmp/snap/config.json \
+       /tmp/snap/trainer.json "$OUT"/ && echo "$step" > /tmp/snap_step
+    echo "snap: checkpoint at step $step in \$OUT ($(ls "$OUT" | wc -l) files)" ;;
+  packdata)  # XZ_THREADS: fewer while a training runs beside it (default all cores)
+    (cd "$TRAIN" && tar cf - --exclude=.unpacked data) | xz -T"${XZ_THREADS:-0}" -6 | split -d -a 2 -b 15000000 - "$OUT/campaign-data.tar.xz."
     ls -la "$OUT" ;;
   bench)
     ns; model

@@ -6,6 +6,13 @@
 #
 #   data -> train -> pack -> packdata -> final -> ALL_DONE   (phase markers in /tmp/ph_*)
 #
+# Nothing waits for the end to come back (session 32 lost a whole session's data and training
+# when the machine was taken back mid-run): the train call also brings the fresh data cache back
+# (packdata beside the training, when DATA=1 and PACKDATA=1), and every later call of the train
+# phase brings the newest periodic checkpoint (`h200_pair.sh snap`, every 1,000 steps). Keep
+# what each call returns (ret/s<session>-callN): the next session stages those data parts and
+# resumes from the last checkpoint.
+#
 #   run(command="bash scripts/h200_session.sh", carry=[".device/N", ".devq"])  (after staging)
 #
 # Settings (env, read at every call, so a change before the next call takes effect):
@@ -44,6 +51,7 @@ RESTART=${RESTART_LR-4e-4}
 # the train phase's flags, for the campaign's run and for both arms of an A/B alike
 TRAIN_ARGS=(--miss-anchor-frac 0.5 --early-anchor-frac 0.3 ${RESTART:+--restart-lr $RESTART} $FLAGS ${TRAIN_FLAGS:-})
 done_bg() { grep -q TRAIN_DONE "$LOG" 2>/dev/null; }
+data_sig() { find /tmp/train_out/data -type f -printf '%p %s\n' 2>/dev/null | sort | md5sum; }
 AB=${ARM_B+1}
 train_done() {  # the campaign's run, or both arms of an A/B
   if [ -n "$AB" ]; then grep -q TRAIN_DONE /tmp/arm0.log 2>/dev/null && grep -q TRAIN_DONE /tmp/arm1.log 2>/dev/null
@@ -83,7 +91,12 @@ case $phase in
     fi
     DERIVE=${DERIVE:?set DERIVE} TOTAL_STEPS=${TOTAL_STEPS:?set TOTAL_STEPS} bash scripts/h200_pair.sh start \
       "${BUDGET:-420}" /tmp/stage/files/draft "${TRAIN_ARGS[@]}"
-    touch /tmp/ph_train ;;
+    touch /tmp/ph_train
+    if [ "$DATA_PHASE" = 1 ] && [ "${PACKDATA:-1}" = 1 ]; then  # the new data, home now
+      sleep 60  # the trainer reads the cache first (and answers any prompts DERIVE still lacks)
+      XZ_THREADS=6 nice -n 10 bash scripts/h200_pair.sh packdata | tail -n 6
+      data_sig > /tmp/packed_sig
+    fi ;;
   pack)
     if [ -n "$AB" ]; then
       bash scripts/h200_pair.sh abwait 0
@@ -96,7 +109,11 @@ case $phase in
       bash scripts/h200_pair.sh wait 0; PROMPTS=${PACKDATA:-1} bash scripts/h200_pair.sh pack
     fi
     touch /tmp/ph_pack; exit 0 ;;
-  packdata) [ "${PACKDATA:-1}" = 1 ] && bash scripts/h200_pair.sh packdata; touch /tmp/ph_packdata; exit 0 ;;
+  packdata)
+    if [ "${PACKDATA:-1}" = 1 ] && [ "$(data_sig)" != "$(cat /tmp/packed_sig 2>/dev/null)" ]; then
+      bash scripts/h200_pair.sh packdata
+    else echo "packdata: the data cache came back with the train call, unchanged since"; fi
+    touch /tmp/ph_packdata; exit 0 ;;
   final)
     touch /tmp/ph_final
     [ -f .devq/final.sh ] && timeout "${FINAL_S:-500}" bash .devq/final.sh 2>&1 | tail -n 60
@@ -104,5 +121,8 @@ case $phase in
   done) echo ALL_DONE; exit 0 ;;
 esac
 if [ -n "$AB" ] && [ -f /tmp/ph_train ]; then bash scripts/h200_pair.sh abwait "${W:-75}" | tail -n 8
-else bash scripts/h200_pair.sh wait "${W:-75}" | tail -n 6; fi
+else
+  bash scripts/h200_pair.sh wait "${W:-75}" | tail -n 6
+  [ -f /tmp/ph_train ] && bash scripts/h200_pair.sh snap
+fi
 exit 0  # still running is not a failure (the pump reads rc)
