@@ -37,7 +37,14 @@
 # the script prints ALL_DONE. pack/packdata write $OUT alone (8 files at most come back).
 set -uo pipefail
 N=$(ls -d .device/*/activate.sh 2>/dev/null | head -1)
-source "$N" > /tmp/act.log 2>&1 || { tail -5 /tmp/act.log; exit 1; }
+# activate.sh ends by importing MLX on the GPU, which fails (cudaMallocManaged: out of memory)
+# while a background job holds the GPU's memory (session 32: the data job at --gen-batch-size
+# 2048); this call then only waits (bash) and the job goes on, so that is no failure
+if ! source "$N" > /tmp/act.log 2>&1; then
+  if [ -f /tmp/train_stdout.log ] && ! grep -q TRAIN_DONE /tmp/train_stdout.log && grep -q "out of memory" /tmp/act.log; then
+    echo "== the GPU is busy with the background job: waiting only"
+  else tail -5 /tmp/act.log; exit 1; fi
+fi
 [ -f .devq/env ] && . .devq/env
 export MLX_CUDA_USE_CUDNN_SDPA=0 PYTHONUNBUFFERED=1 NGPU=${NGPU:-2}
 # DATA is this script's switch; train_smollm2_h200.sh reads DATA as the data cache's folder, so it
