@@ -45,13 +45,21 @@ class CacheClient:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._down_until = 0.0
+        # Bumped by every thread that calls (the engine's lookups, the prefix cache's writer),
+        # partly outside _lock (which a round trip holds): their own small lock; read with counts().
         self.counters = dict(requests=0, timeouts=0, unavailable=0, dropped_puts=0, errors=0)
+        self._counts_lock = threading.Lock()
 
     # --- public calls --------------------------------------------------------------------
     @property
     def available(self) -> bool:
         """False while resting after a failure (a call then returns a miss at once)."""
         return time.monotonic() >= self._down_until
+
+    def counts(self) -> dict[str, int]:
+        """A consistent copy of this client's counters."""
+        with self._counts_lock:
+            return dict(self.counters)
 
     def ping(self) -> bool:
         return self.call("ping") is not None
@@ -74,7 +82,7 @@ class CacheClient:
         extra = len(data) / PUT_BYTES_PER_S if wait else 0.0
         got = self._request({"op": "put", "key": key, "ack": wait}, data, want_reply=wait, extra_s=extra)
         if got is None:
-            self.counters["dropped_puts"] += 1
+            self._count("dropped_puts")
             return False
         return True
 
@@ -105,7 +113,7 @@ class CacheClient:
         # write's acknowledgement) may hold it; a lookup gives up (a miss) rather than wait longer
         # than one call of its own would.
         if not self._lock.acquire(timeout=self.timeout_s + self.connect_timeout_s):
-            self.counters["unavailable"] += 1
+            self._count("unavailable")
             return None
         try:
             return self._locked_request(header, payload, want_reply, extra_s)
@@ -116,9 +124,9 @@ class CacheClient:
         self, header: dict[str, Any], payload: bytes | None, want_reply: bool, extra_s: float
     ) -> tuple[dict[str, Any], memoryview | None] | None:
         if time.monotonic() < self._down_until:
-            self.counters["unavailable"] += 1
+            self._count("unavailable")
             return None
-        self.counters["requests"] += 1
+        self._count("requests")
         sock = self._socket()
         rid = next(self._ids)
         frames = [msgpack.packb(dict(header, v=PROTOCOL_VERSION, id=rid), use_bin_type=True)]
@@ -159,7 +167,7 @@ class CacheClient:
             if not isinstance(reply, dict) or reply.get("id") != rid:
                 continue  # a late reply to a request that already timed out
             if not reply.get("ok"):
-                self.counters["errors"] += 1
+                self._count("errors")
                 return None
             return reply, (frames[1].buffer if len(frames) > 1 else None)
 
@@ -181,9 +189,13 @@ class CacheClient:
             self._sock.close(0)
             self._sock = None
 
+    def _count(self, name: str) -> None:
+        with self._counts_lock:
+            self.counters[name] += 1
+
     def _fail(self, timeout: bool) -> None:
         """Rest for retry_after_s; after a timeout, also drop the socket and its stale queue."""
-        self.counters["timeouts" if timeout else "unavailable"] += 1
+        self._count("timeouts" if timeout else "unavailable")
         if timeout:
             self._drop_socket()
         self._down_until = time.monotonic() + self.retry_after_s

@@ -18,6 +18,7 @@ class L1Entry:
     nbytes: int
     in_l2: bool = False  # in L2: the cache process acknowledged its write, or it came from L2
     pending: bool = False  # a write to L2 is queued or under way (its outcome not known yet)
+    evicted: bool = False  # L1 let it go: a failed write of it now loses it from both tiers
 
 
 class L1:

@@ -115,10 +115,13 @@ def cache_stats(cfg: DaemonConfig, cache: PrefixCache | None, remote: dict | Non
     if not cfg.cache:
         return {"enabled": False}
     out: dict[str, Any] = {"enabled": True, "endpoint": cfg.resolved_cache_endpoint(), "l2_up": remote is not None}
+    # one stats() call: one consistent set of counters, taken under the cache's lock (this runs
+    # on the socket thread while the engine and writer threads go on counting)
     local = cache.stats(remote=False) if cache is not None else None
     if local is not None:
         out.update({k: local[k] for k in ("lookups", "misses", "inserts", "l2_writes", "l2_dropped_writes",
-                                           "l2_too_large", "corrupt_dropped", "mismatch_dropped")})
+                                           "l2_lost_writes", "l2_too_large", "corrupt_dropped",
+                                           "mismatch_dropped")})
         out["l1"], out["l2"] = dict(local["l1"]), dict(local["l2"])
         out["hits"] = local["l1"]["hits"] + local["l2"]["hits"]
         out["hit_tokens"] = local["l1"]["hit_tokens"] + local["l2"]["hit_tokens"]
