@@ -103,7 +103,17 @@ class JobQueue:
             if job.state == "queued":
                 job.state = "cancelled"
                 self._jobs.pop(job_id, None)  # its heap entry is skipped by pop()
+                self._compact()
             return job
+
+    def _compact(self) -> None:
+        """(Lock held.) Drop cancelled jobs' heap entries once they outnumber the live ones.
+        pop() skips them only when it reaches them: while one long job runs, clients that queue
+        and cancel (or disconnect) grew the heap without bound, since max_queue counts only the
+        queued jobs (scripts/soak.py)."""
+        if len(self._heap) > 2 * len(self._jobs) + 64:
+            self._heap = [e for e in self._heap if (j := self._jobs.get(e[1])) is not None and j.state == "queued"]
+            heapq.heapify(self._heap)
 
     def get(self, job_id: str) -> Job | None:
         with self._cv:
@@ -127,6 +137,12 @@ class JobQueue:
     @property
     def running(self) -> Job | None:
         return self._running
+
+    def sizes(self) -> dict[str, int]:
+        """Jobs tracked (queued and running) and heap entries (cancelled ones wait there until
+        popped past), read-only for the worker's stats: both return to 0 when idle."""
+        with self._cv:
+            return {"jobs": len(self._jobs), "heap": len(self._heap)}
 
     def snapshot(self) -> list[Job]:
         """Running job first, then queued jobs in run order."""

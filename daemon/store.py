@@ -156,6 +156,16 @@ class JobStore:
         jobs.sort(key=Job.key)
         return jobs, failed
 
+    def counts(self) -> dict[str, int]:
+        """Job records and kept results that have not expired, and all rows (expired ones stay
+        until a later write culls them), counted in SQL over the key index: for the stats."""
+        now = time.time()
+        live = "SELECT COUNT(*) FROM Cache WHERE key >= ? AND key < ? AND (expire_time IS NULL OR expire_time > ?)"
+        out = {name: self.cache._sql(live, (prefix, prefix[:-1] + ";", now)).fetchone()[0]  # ";" follows ":"
+               for name, prefix in (("jobs", _JOB), ("results", _RESULT))}
+        out["rows"] = self.cache._sql("SELECT COUNT(*) FROM Cache").fetchone()[0]
+        return out
+
     def pending_count(self) -> int:
         return sum(1 for k in self.cache.iterkeys() if isinstance(k, str) and k.startswith(_JOB))
 

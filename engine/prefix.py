@@ -101,12 +101,26 @@ class Snapshot:
 # --- capture / restore -------------------------------------------------------------------------
 def take(caches: Sequence[Any], drafter: Any, logits: mx.array, n_tokens: int) -> Snapshot:
     """Snapshot the target caches, the draft's context cache and the last logits."""
-    target = [_capture(c) for c in caches]
+    target = [_own(_capture(c)) for c in caches]
     dcache = getattr(drafter, "cache", None)
-    draft = None if dcache is None else [_capture(c) for c in dcache]
-    snap = Snapshot(n_tokens, target, draft, logits[:, -1:, :])
+    draft = None if dcache is None else [_own(_capture(c)) for c in dcache]
+    snap = Snapshot(n_tokens, target, draft, mx.contiguous(logits[:, -1:, :]))
     mx.eval(snap._arrays())  # compact copies now; the live caches keep changing
     return snap
+
+
+def _own(st: dict[str, Any]) -> dict[str, Any]:
+    """The state with copies that own their memory. A slice of a cache is a view that keeps the
+    cache's whole buffer alive (KV caches grow in 256-token steps), so an L1 entry of a short
+    prompt held ~8x its nbytes and L1's byte budget undercounted it (scripts/soak.py found it)."""
+    def own(v: Any) -> Any:
+        if isinstance(v, mx.array):
+            return mx.contiguous(v)
+        if isinstance(v, (list, tuple)):
+            return type(v)(own(a) for a in v)
+        return v
+
+    return {k: own(v) for k, v in st.items()}
 
 
 def check_fits(snap: Snapshot, caches: Sequence[Any], drafter: Any) -> None:

@@ -1,0 +1,572 @@
+"""Soak audit of dflashd: many mixed requests through the real client; watch what grows.
+
+    python scripts/soak.py [--requests 300] [--every 25] [--threads 3] [--model DIR --draft DIR]
+                           [--out benchmark/results/soak.json] [--seed 0] [--max-tokens 24]
+
+Starts a real daemon (supervisor, worker, cache process) in a private tmp dir, on a tiny
+random-weight pair unless --model is given, and sends it --requests requests from --threads
+client threads at once, a seeded mix of: streamed and non-streamed (detached, polled) jobs,
+greedy and sampled, prompts the prefix cache has seen (hits) and new ones or `cache="bypass"`,
+streams cancelled after their first delta, clients that disconnect mid-stream (a raw socket
+closed without a cancel, and a `dflash-client prompt` process killed with SIGKILL), detached
+jobs cancelled while queued or running, malformed frames (not msgpack, not a map, another
+version, an unknown op or field, a value out of range, two frames, over the frame cap),
+control calls (stats, jobs, status/cancel of unknown ids, position lists) and cache clears.
+
+After every --every requests the load pauses until the worker is idle (nothing queued or
+running, no held job) and one sample is taken of each daemon process (supervisor, worker, cache
+process; pids from the runtime dir's supervisor.pid and supervisor.json): RSS, open file
+descriptors by kind (/proc/PID/fd), threads, and the worker's own table sizes (`stats`
+`tables`: watchers, held, waiting, queue, events, job store rows, MLX memory), the cache
+process's entries, and files under the daemon's dirs. One progress line per sample. The JSON
+(--out) holds the machine, the command, the series and a verdict: each metric's growth per 100
+requests after the warm-up (a least-squares slope over the samples past --warmup requests) and
+whether that is growth or noise. Linux only (/proc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+
+from dflash.client import DFlashClient
+from dflash.client.client import make_submit
+from dflash.client.errors import DFlashError
+from dflash.daemon import codec
+from dflash.daemon import protocol as P
+from dflash.daemon.config import DaemonConfig
+from dflash.daemon.supervisor import read_state
+
+# kind -> weight in the mix (a request is one of these)
+MIX = {
+    "stream_greedy": 14, "stream_sampled": 8, "generate_cached": 10, "generate_bypass": 5,
+    "detached": 8, "detached_cancel": 5, "cancel_midstream": 10, "socket_disconnect": 8,
+    "process_killed": 4, "malformed": 12, "control": 8, "positions": 3, "cache_clear": 2,
+}
+SHARED = [f"You are a careful assistant. Shared context {i}: " + "the tide comes in and goes out. " * 12
+          for i in range(3)]  # long prompts asked again and again: the prefix cache hits
+# Metrics that grow by design, and why (the verdict names them instead of calling them leaks).
+BY_DESIGN = {
+    "worker.tables.store_results": "results are kept result_retention_s (here --retention-s) for status polls",
+    "worker.tables.store_rows": "the job store's rows are mostly those results",
+    "cache.entries": "L2 snapshots of new prompts, until a cache clear or the byte budget",
+    "cache.bytes": "L2 snapshot bytes, until a cache clear or the byte budget",
+    "files.state": "L2 snapshot files (diskcache keeps large values as files)",
+    "l1.entries": "L1 fills up to l1_cache_entries (here --l1-entries)",
+    "l1.bytes": "L1 fills up to its budgets",
+    "worker.tables.mlx_active_bytes": "mostly L1's snapshots: see worker.mlx_beyond_l1_bytes",
+    "worker.tables.mlx_cache_bytes": "MLX's cache of freed buffers, one per size seen; returned after 5 s idle",
+}
+# Growth per 100 requests below which a gauge is noise (counts: any steady rise is growth).
+THRESHOLDS = {"rss_kb": 1024, "bytes": 1 << 20, "py_blocks": 500}
+
+
+# ---------------------------------------------------------------------------- the daemon
+class Daemon:
+    """A real supervisor (worker + cache process) in a private tmp dir; stopped as a group."""
+
+    def __init__(self, model: str, draft: str | None, **settings: Any):
+        self.dir = Path(tempfile.mkdtemp(prefix="dfsoak", dir="/tmp"))  # short: ipc paths are capped
+        self.cfg = DaemonConfig(model=model, draft=draft, runtime_dir=str(self.dir / "run"),
+                                state_dir=str(self.dir / "state"), **settings)
+        self.endpoint = self.cfg.resolved_endpoint()
+        self.log = open(self.dir / "daemon.log", "wb")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, wait_s: float = 180.0) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "dflash.daemon.supervisor", "--config-json",
+                                      self.cfg.to_json()], stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        end = time.monotonic() + wait_s
+        with self.client(timeout=0.5, retry_interval=0.5) as c:
+            while time.monotonic() < end:
+                if self.proc.poll() is not None:
+                    raise SystemExit(f"the daemon exited early:\n{self.logs()[-3000:]}")
+                try:
+                    if c.stats()["state"] == "ready":
+                        return
+                except DFlashError:
+                    pass
+                time.sleep(0.2)
+        raise SystemExit(f"the daemon was not ready in {wait_s:.0f}s:\n{self.logs()[-3000:]}")
+
+    def client(self, **kw: Any) -> DFlashClient:
+        return DFlashClient(self.endpoint, config=self.cfg, **kw)
+
+    def pids(self) -> dict[str, int]:
+        """supervisor, worker, cache: from the runtime dir the supervisor keeps them in."""
+        run = self.cfg.runtime_path()
+        out = {}
+        try:
+            out["supervisor"] = int((run / "supervisor.pid").read_text())
+        except (OSError, ValueError):
+            pass
+        for name, child in read_state(run).get("children", {}).items():
+            if isinstance(child, dict) and isinstance(child.get("pid"), int):
+                out[name] = child["pid"]
+        return out
+
+    def logs(self) -> str:
+        self.log.flush()
+        return (self.dir / "daemon.log").read_text(errors="replace")
+
+    def stop(self, keep_log: Path | None = None) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.log.close()
+        if keep_log is not None:
+            shutil.copy(self.dir / "daemon.log", keep_log)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- the requests
+class Load:
+    """The request mix, run from several threads; counts outcomes per kind."""
+
+    def __init__(self, d: Daemon, seed: int, max_tokens: int, kinds: list[str] | None = None):
+        self.d = d
+        self.max_tokens = max_tokens
+        self.rng = random.Random(seed)
+        self.rng_lock = threading.Lock()
+        self.outcomes: Counter[str] = Counter()
+        self.errors: list[str] = []
+        self.lock = threading.Lock()
+        self.n = 0
+        self.kinds = [k for k in MIX if kinds is None or k in kinds]
+        self.weights = [MIX[k] for k in self.kinds]
+
+    def pick(self) -> tuple[str, random.Random]:
+        with self.rng_lock:
+            self.n += 1
+            return self.rng.choices(self.kinds, self.weights)[0], random.Random(self.rng.random())
+
+    def note(self, kind: str, outcome: str) -> None:
+        with self.lock:
+            self.outcomes[f"{kind}:{outcome}"] += 1
+
+    def run(self, kind: str, rng: random.Random, c: DFlashClient) -> None:
+        try:
+            outcome = getattr(self, kind)(rng, c)
+        except DFlashError as e:
+            outcome = f"error {e.code}"
+        except Exception as e:  # the soak goes on; the JSON lists what failed unexpectedly
+            outcome = f"exception {type(e).__name__}"
+            with self.lock:
+                if len(self.errors) < 50:
+                    self.errors.append(f"{kind}: {type(e).__name__}: {e}")
+        self.note(kind, outcome)
+
+    def _prompt(self, rng: random.Random) -> str:
+        return f"Request {rng.randrange(10**9)}: tell me about the {rng.choice(['sea', 'sky', 'moon', 'rain'])}."
+
+    def _tokens(self, rng: random.Random) -> int:
+        return rng.randint(max(1, self.max_tokens // 2), self.max_tokens)
+
+    # --- kinds: each returns its outcome (a short word) -----------------------------------------
+    def stream_greedy(self, rng: random.Random, c: DFlashClient) -> str:
+        with c.stream(self._prompt(rng), max_tokens=self._tokens(rng)) as s:
+            for _ in s:
+                pass
+            return s.result.finish_reason
+
+    def stream_sampled(self, rng: random.Random, c: DFlashClient) -> str:
+        with c.stream(self._prompt(rng), max_tokens=self._tokens(rng), temperature=0.8, top_p=0.9,
+                      top_k=rng.choice([0, 20]), seed=rng.choice([None, rng.randrange(1000)])) as s:
+            for _ in s:
+                pass
+            return s.result.finish_reason
+
+    def generate_cached(self, rng: random.Random, c: DFlashClient) -> str:
+        r = c.generate(rng.choice(SHARED) + f" Question {rng.randrange(4)}?", max_tokens=self._tokens(rng))
+        return "hit" if r.stats.get("cached_prompt_tokens") else "miss"
+
+    def generate_bypass(self, rng: random.Random, c: DFlashClient) -> str:
+        r = c.generate(rng.choice(SHARED), max_tokens=self._tokens(rng), cache=rng.choice(["bypass", "refresh"]))
+        return r.finish_reason
+
+    def detached(self, rng: random.Random, c: DFlashClient) -> str:
+        h = c.submit(self._prompt(rng), max_tokens=self._tokens(rng), temperature=rng.choice([0.0, 0.7]))
+        return h.result(timeout=120).finish_reason
+
+    def detached_cancel(self, rng: random.Random, c: DFlashClient) -> str:
+        h = c.submit(self._prompt(rng), max_tokens=self.max_tokens * 4)
+        if rng.random() < 0.5:
+            time.sleep(rng.uniform(0.0, 0.3))  # sometimes queued, sometimes running
+        return h.cancel().get("state", "?")
+
+    def cancel_midstream(self, rng: random.Random, c: DFlashClient) -> str:
+        s = c.stream(self._prompt(rng), max_tokens=self.max_tokens * 8)
+        try:
+            for _ in s:
+                break  # close() below cancels the job
+        finally:
+            s.close()
+        return "cancelled"
+
+    def socket_disconnect(self, rng: random.Random, c: DFlashClient) -> str:
+        """A client that goes away mid-stream without a cancel: its socket is simply closed."""
+        sub = make_submit(self._prompt(rng), max_tokens=self.max_tokens * 8, stream=True)
+        sub.rid = 1
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self.d.endpoint)
+            sock.send(codec.encode(sub))
+            want = rng.choice(["accepted", "delta"])  # gone while queued, or while streaming
+            end = time.monotonic() + 30
+            while time.monotonic() < end and sock.poll(1000):
+                reply = msgpack.unpackb(sock.recv(), raw=False)
+                if reply.get("type") in (want, "done", "error"):
+                    return f"gone after {reply.get('type')}"
+            return "no reply"
+        finally:
+            sock.close(0)
+
+    def process_killed(self, rng: random.Random, c: DFlashClient) -> str:
+        """`dflash-client prompt` killed with SIGKILL once it has printed some of its answer."""
+        cmd = [sys.executable, "-m", "dflash.client.cli", "--endpoint", self.d.endpoint, "prompt",
+               "--max-tokens", str(self.max_tokens * 8), self._prompt(rng)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        try:
+            got = proc.stdout.read(1)  # streamed text: the job is running
+            return "killed mid-stream" if got else "ended first"
+        finally:
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()
+
+    def malformed(self, rng: random.Random, c: DFlashClient) -> str:
+        big = "x" * (self.d.cfg.max_frame_bytes + 1024)
+        frames = [
+            [b"\xc1not msgpack"],
+            [msgpack.packb([1, 2, 3])],
+            [msgpack.packb({"v": P.VERSION + 7, "op": "stats", "rid": 5})],
+            [msgpack.packb({"v": P.VERSION, "op": "no_such_op", "rid": 6})],
+            [msgpack.packb({"v": P.VERSION, "op": "submit", "rid": 7, "text": "hi", "bogus": 1})],
+            [msgpack.packb({"v": P.VERSION, "op": "submit", "rid": 8, "text": "hi", "max_tokens": 0})],
+            [msgpack.packb({"v": P.VERSION, "op": "submit", "rid": 9, "text": "   "})],
+            [msgpack.packb({"v": P.VERSION, "op": "submit", "rid": 10, "text": "hi", "temperature": -1.0})],
+            [msgpack.packb({"v": P.VERSION, "op": "cancel", "rid": 11, "job_id": "bad id\n"})],
+            [msgpack.packb({"v": P.VERSION, "op": "stats", "rid": 12}), b"extra"],
+            [msgpack.packb({"v": P.VERSION, "op": "submit", "rid": 13, "text": big})],
+        ]
+        parts = rng.choice(frames)
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self.d.endpoint)
+            sock.send_multipart(parts)
+            if not sock.poll(10_000):
+                return "no reply"
+            return msgpack.unpackb(sock.recv(), raw=False).get("code", "?")
+        finally:
+            sock.close(0)
+
+    def control(self, rng: random.Random, c: DFlashClient) -> str:
+        op = rng.choice(["stats", "jobs", "status", "cancel", "models"])
+        if op == "stats":
+            c.stats()
+        elif op == "jobs":
+            c.jobs()
+        elif op == "models":
+            c.models()
+        else:
+            try:
+                getattr(c, op)(f"nosuch{rng.randrange(10**6)}")
+            except DFlashError as e:
+                return f"{op} {e.code}"
+        return op
+
+    def positions(self, rng: random.Random, c: DFlashClient) -> str:
+        name = f"soak-{rng.randrange(10**6)}"
+        c.put_positions(name, [0, 1, 2, 5])
+        c.get_positions(name)
+        c.list_positions()
+        return "deleted" if c.delete_positions(name) else "kept"
+
+    def cache_clear(self, rng: random.Random, c: DFlashClient) -> str:
+        return "l2 up" if c.clear_cache(timeout=60).get("l2_up") else "l2 down"
+
+
+def run_batch(load: Load, n: int, threads: int) -> None:
+    """n requests from `threads` threads at once, each with a client of its own."""
+    left = [n]
+    guard = threading.Lock()
+
+    def body() -> None:
+        with load.d.client(timeout=60) as c:
+            while True:
+                with guard:
+                    if left[0] <= 0:
+                        return
+                    left[0] -= 1
+                kind, rng = load.pick()
+                load.run(kind, rng, c)
+
+    ts = [threading.Thread(target=body, name=f"soak-{i}") for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+# ---------------------------------------------------------------------------- sampling
+def proc_sample(pid: int) -> dict[str, Any]:
+    """RSS, open descriptors (by kind) and threads of one process, from /proc."""
+    out: dict[str, Any] = {"pid": pid}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key == "VmRSS":
+                out["rss_kb"] = int(value.split()[0])
+            elif key == "Threads":
+                out["threads"] = int(value)
+        kinds: Counter[str] = Counter()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            kind = target.split(":")[0] if target.startswith(("socket:", "pipe:", "anon_inode:")) else "file"
+            kinds[kind.replace("anon_inode", "anon")] += 1
+        out["fds"] = sum(kinds.values())
+        out["fd_kinds"] = dict(kinds)
+        names: Counter[str] = Counter()
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                names[Path(f"/proc/{pid}/task/{task}/comm").read_text().strip()] += 1
+            except OSError:
+                continue
+        out["thread_names"] = dict(sorted(names.items()))
+    except OSError:
+        out["gone"] = True
+    return out
+
+
+def count_files(root: Path) -> int:
+    return sum(len(files) for _, _, files in os.walk(root))
+
+
+def wait_idle(c: DFlashClient, timeout: float = 120.0) -> dict:
+    """The worker's stats once nothing is queued, running or held and no waiter is left (a gone
+    client is noticed at the next heartbeat); the last stats read when that does not happen."""
+    end = time.monotonic() + timeout
+    while True:
+        st = c.stats()
+        t = st.get("tables", {})
+        idle = st["queued"] == 0 and st["running"] is None and not st.get("held") and not t.get("watchers") \
+            and not t.get("waiting")
+        if idle or time.monotonic() > end:
+            return st
+        time.sleep(0.2)
+
+
+def sample(d: Daemon, c: DFlashClient, done: int, t0: float) -> dict[str, Any]:
+    st = wait_idle(c)
+    time.sleep(2 * d.cfg.heartbeat_s)  # a heartbeat or two: late cleanups (a gone client) land
+    st = c.stats()
+    procs = {name: proc_sample(pid) for name, pid in d.pids().items()}
+    remote = (st.get("cache") or {}).get("l2_process") or {}
+    return {
+        "requests": done,
+        "elapsed_s": round(time.monotonic() - t0, 1),
+        "procs": procs,
+        "tables": st.get("tables", {}),
+        "worker": {k: st.get(k) for k in ("queued", "running", "held", "jobs_done", "jobs_failed", "jobs_cancelled",
+                                          "frames", "bad_frames", "dropped_replies", "clients_gone", "restarts")},
+        "l1": {k: (st.get("cache") or {}).get("l1", {}).get(k) for k in ("entries", "bytes")},
+        "cache": {k: remote.get(k) for k in ("entries", "bytes", "position_lists")},
+        "files": {"state": count_files(d.cfg.state_path()), "runtime": count_files(d.cfg.runtime_path())},
+    }
+
+
+def flat(s: dict[str, Any]) -> dict[str, float]:
+    """The sample's numbers as {dotted.name: value}, the verdict's metrics."""
+    out: dict[str, float] = {}
+    for name, p in s["procs"].items():
+        for k in ("rss_kb", "fds", "threads"):
+            if k in p:
+                out[f"{name}.{k}"] = p[k]
+    out.update({f"worker.tables.{k}": v for k, v in s["tables"].items()})
+    out.update({f"cache.{k}": v for k, v in s["cache"].items() if isinstance(v, (int, float))})
+    out.update({f"l1.{k}": v for k, v in s["l1"].items() if isinstance(v, (int, float))})
+    out.update({f"files.{k}": v for k, v in s["files"].items()})
+    if "mlx_active_bytes" in s["tables"] and isinstance(s["l1"].get("bytes"), int):
+        out["worker.mlx_beyond_l1_bytes"] = s["tables"]["mlx_active_bytes"] - s["l1"]["bytes"]
+    return out
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    return 0.0 if var == 0 else sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
+
+
+def verdict(series: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """Growth per 100 requests of every metric over the samples after the warm-up. A metric
+    grows when it keeps climbing: a positive least-squares slope (for gauges over THRESHOLDS:
+    RSS and bytes 1 MiB per 100 requests, Python blocks 500), its last value above the highest of the first half
+    of the window, and at least two rises. A one-time step (a lazily started thread: pyzmq's
+    zero-copy sender in the cache process at its first large reply) is not growth."""
+    after = [s for s in series if s["requests"] >= warmup]
+    if len(after) < 4:
+        return {"note": "fewer than 4 samples after the warm-up: no verdict"}
+    xs = [s["requests"] / 100 for s in after]
+    rows = [flat(s) for s in after]
+    out: dict[str, Any] = {"warmup_requests": warmup, "samples": len(after), "metrics": {}}
+    grows, expected = [], []
+    for name in rows[0]:
+        ys = [r.get(name, 0) for r in rows]
+        per100 = slope(xs, ys)
+        early = max(ys[: len(ys) // 2])
+        rises = sum(b > a for a, b in zip(ys, ys[1:]))
+        limit = next((v for k, v in THRESHOLDS.items() if name.endswith(k)), 0)
+        grew = per100 > limit and ys[-1] > early and rises >= 2
+        out["metrics"][name] = {"per_100_requests": round(per100, 3), "first": ys[0], "last": ys[-1],
+                                "max": max(ys), "grows": grew}
+        if grew:
+            (expected if name in BY_DESIGN else grows).append(name)
+    out["grows"] = grows
+    out["grows_by_design"] = {n: BY_DESIGN[n] for n in expected}
+    out["leak_free"] = not grows
+    return out
+
+
+def machine() -> dict[str, Any]:
+    import mlx.core as mx
+
+    cpu = ""
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"host": platform.node(), "platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(),
+            "python": platform.python_version(), "mlx": mx.__version__, "device": str(mx.default_device())}
+
+
+def tiny_pair(root: Path) -> tuple[str, str]:
+    from dflash.engine.tiny import build_draft, build_target
+
+    build_target(root, "qwen3")
+    build_draft(root / "draft", root)
+    return str(root), str(root / "draft")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="target (default: a tiny random qwen3 pair built in a tmp dir)")
+    ap.add_argument("--draft", help="draft (default: the registry's for --model, the tiny one otherwise)")
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--every", type=int, default=25, help="requests between samples")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="requests before the verdict's window (default: a third of them, at least 2 samples)")
+    ap.add_argument("--threads", type=int, default=3, help="client threads at once")
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--blas", default="none", help="the daemon's blas setting (auto: MKL when installed)")
+    ap.add_argument("--retention-s", type=float, default=3600.0, help="the daemon's result_retention_s")
+    ap.add_argument("--kinds", default=None, help=f"comma-separated subset of the mix: {', '.join(MIX)}")
+    ap.add_argument("--l1-entries", type=int, default=8,
+                    help="the daemon's l1_cache_entries: small, so L1 is full after the warm-up")
+    ap.add_argument("--out", default=None, help="JSON file for the series and the verdict")
+    ap.add_argument("--log", default=None, help="keep the daemon's log here")
+    args = ap.parse_args(argv)
+    if not sys.platform.startswith("linux"):
+        raise SystemExit("soak.py reads /proc: Linux only")
+    tmp = None
+    model, draft = args.model, args.draft
+    if model is None:
+        tmp = Path(tempfile.mkdtemp(prefix="dfsoak-tiny"))
+        model, draft = tiny_pair(tmp)
+    d = Daemon(model, draft, blas=args.blas, result_retention_s=args.retention_s, heartbeat_s=0.3,
+               l1_cache_entries=args.l1_entries)
+    series: list[dict[str, Any]] = []
+    kinds = args.kinds.split(",") if args.kinds else None
+    if kinds and (unknown := set(kinds) - set(MIX)):
+        raise SystemExit(f"unknown kinds: {', '.join(sorted(unknown))}")
+    load = Load(d, args.seed, args.max_tokens, kinds)
+    t0 = time.monotonic()
+    try:
+        d.start()
+        with d.client(timeout=60) as c:
+            series.append(sample(d, c, 0, t0))
+            done = 0
+            while done < args.requests:
+                n = min(args.every, args.requests - done)
+                run_batch(load, n, args.threads)
+                done += n
+                s = sample(d, c, done, t0)
+                series.append(s)
+                w, t = s["procs"].get("worker", {}), s["tables"]
+                busy = {k: v for k, v in t.items() if k in ("watchers", "held", "waiting", "queue_jobs", "queue_heap",
+                                                            "events", "tasks", "store_jobs") and v}
+                print(f"[{s['elapsed_s']:7.1f}s] {done:5d} requests  worker rss {w.get('rss_kb', 0) / 1024:7.1f} MiB "
+                      f"fds {w.get('fds')} threads {w.get('threads')}  "
+                      f"cache fds {s['procs'].get('cache', {}).get('fds')}"
+                      f"  results {t.get('store_results')}  mlx cache {t.get('mlx_cache_bytes', 0) >> 20} MiB"
+                      f"  tables {busy or 'idle'}", flush=True)
+    finally:
+        d.stop(keep_log=Path(args.log) if args.log else None)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    # the first few hundred requests fill L1, MLX's and SQLite's caches: growth there is warm-up
+    warmup = args.warmup if args.warmup is not None else max(2 * args.every, args.requests // 3)
+    report = {
+        "machine": machine(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "settings": {"model": args.model or "tiny random qwen3 pair (engine/tiny.py)", "draft": args.draft,
+                     "requests": args.requests, "every": args.every, "threads": args.threads,
+                     "max_tokens": args.max_tokens, "seed": args.seed, "blas": args.blas,
+                     "result_retention_s": args.retention_s, "l1_cache_entries": args.l1_entries,
+                     "mix": {k: MIX[k] for k in load.kinds}},
+        "outcomes": dict(sorted(load.outcomes.items())),
+        "unexpected_errors": load.errors,
+        "series": series,
+        "verdict": verdict(series, warmup),
+    }
+    v = report["verdict"]
+    if "note" in v:
+        print(f"verdict: {v['note']}")
+    else:
+        print(f"verdict: {'no leak' if v['leak_free'] else 'GROWS: ' + ', '.join(v['grows'])}"
+              f"{'; by design: ' + ', '.join(v['grows_by_design']) if v.get('grows_by_design') else ''}")
+    if load.errors:
+        print(f"{len(load.errors)} unexpected client errors, first: {load.errors[0]}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
