@@ -118,7 +118,7 @@ def _finite(ctx, param, value):
 
 
 def sampling_options(f):
-    """--temperature / --top-p / --top-k / --seed, range-checked (None: not given)."""
+    """--temperature / --top-p / --top-k / --min-p / --seed, range-checked (None: not given)."""
     opts = [
         click.option("--temperature", "-t", type=click.FloatRange(min=0), default=None, callback=_finite,
                      help="Sampling temperature; 0 = greedy. [default: the daemon's, normally 0]"),
@@ -126,9 +126,36 @@ def sampling_options(f):
                      help="Nucleus sampling: keep the smallest set of tokens with this mass; 1 = off."),
         click.option("--top-k", type=click.IntRange(min=0), default=None,
                      help="Keep the k most likely tokens; 0 = off."),
+        click.option("--min-p", type=click.FloatRange(0, 1), default=None, callback=_finite,
+                     help="Keep the tokens at least this fraction as likely as the most likely one; 0 = off."),
         click.option("--seed", type=click.IntRange(0, (1 << 64) - 1), default=None,
                      help="Random seed; default: a random one (printed with --stats, and in --json). The same seed repeats the same ids when the daemon's verify_window is fixed."),
     ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def bias_option(ctx, param, values: tuple[str, ...]) -> dict[int, float] | None:
+    """--logit-bias ID=BIAS (repeatable) as {id: bias}; None when not given."""
+    from dflash.engine.processors import parse_bias_flags
+
+    try:
+        return parse_bias_flags(values)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def processor_options(f):
+    """--logit-bias and the penalties (mlx-lm's logits processors), range-checked by the protocol's
+    rule (None: not given, the daemon's default)."""
+    opts = [click.option("--logit-bias", multiple=True, callback=bias_option, metavar="ID=BIAS",
+                         help="Add BIAS to token ID's logit (repeatable).")]
+    for kind, off in (("repetition", "1 = off; > 0"), ("presence", "0 = off"), ("frequency", "0 = off")):
+        opts += [click.option(f"--{kind}-penalty", type=float, default=None, callback=_finite,
+                              help=f"mlx-lm's {kind} penalty ({off}) over the last tokens."),
+                 click.option(f"--{kind}-context-size", type=click.IntRange(min=1), default=None,
+                              help=f"Tokens the {kind} penalty looks back over (default 20).")]
     for opt in reversed(opts):
         f = opt(f)
     return f
@@ -215,9 +242,11 @@ def _positions(ctx, param, value: str | None) -> list[int] | None:
               help="Then decode the same prompt plainly (verify window 1, prefix cache bypassed) and print "
                    "the measured speedup and whether the tokens are the same, on stderr (--json: under 'plain').")
 @sampling_options
+@processor_options
 @click.pass_obj
 def prompt(client: DFlashClient, text, max_tokens, system, stop, priority, raw, as_json, cache, positions,
-           positions_name, show_stats, verify_window, compare_plain, temperature, top_p, top_k, seed):
+           positions_name, show_stats, verify_window, compare_plain, temperature, top_p, top_k, min_p, seed,
+           **processors):
     """Generate from TEXT (stdin when omitted), streaming to stdout. Ctrl-C cancels the job.
 
     Sampling flags left out take the daemon's defaults (greedy unless its config says otherwise)."""
@@ -226,7 +255,7 @@ def prompt(client: DFlashClient, text, max_tokens, system, stop, priority, raw, 
         _require_utf8(value, what)
     job = dict(max_tokens=max_tokens, system=system, stop=stop, priority=priority, raw=raw,
                positions=positions or None, positions_name=positions_name,  # --positions "": none, as before
-               temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+               temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, **processors)
     try:  # a value the client refuses (e.g. a --positions-name that is not UTF-8) is one line, exit 2
         stream = client.stream(text, cache=cache, verify_window=verify_window, **job)
     except E.DFlashError as e:
@@ -264,7 +293,7 @@ def _plain_run(client: DFlashClient, text: str, job: dict, res: Result) -> dict:
     snapshots neither help nor change): its speed against `res`'s, and whether the ids agree."""
     sampling = res.stats.get("sampling") or {}
     seeded = {**job, "temperature": sampling.get("temperature"), "top_p": sampling.get("top_p"),
-              "top_k": sampling.get("top_k"), "seed": sampling.get("seed")}
+              "top_k": sampling.get("top_k"), "seed": sampling.get("seed"), "min_p": sampling.get("min_p")}
     try:
         other = client.generate(text, cache="bypass", verify_window=1, **seeded)
     except KeyboardInterrupt:

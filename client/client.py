@@ -74,13 +74,23 @@ def make_submit(
     top_k: int | None = None,
     seed: int | None = None,
     verify_window: str | int | None = None,
+    min_p: float | None = None,
+    logit_bias: Mapping[Any, float] | None = None,
+    repetition_penalty: float | None = None,
+    repetition_context_size: int | None = None,
+    presence_penalty: float | None = None,
+    presence_context_size: int | None = None,
+    frequency_penalty: float | None = None,
+    frequency_context_size: int | None = None,
 ) -> P.Submit:
     """A Submit from a text prompt (str), a list of chat messages (dicts) or a list of token ids.
 
     cache: "use" (default), "bypass" or "refresh"; positions / positions_name: sparse prefill of
     those indices of the prompt's token ids (a list given here, or one stored by name).
-    temperature (0 = greedy), top_p (1 = off), top_k (0 = off), seed (0..2^64-1): sampling; None
-    leaves each to the daemon's configured default (greedy unless its config says otherwise).
+    temperature (0 = greedy), top_p (1 = off), top_k (0 = off), seed (0..2^64-1), min_p (0 = off):
+    sampling, as mlx-lm's make_sampler takes them; logit_bias ({token id: bias}), repetition_penalty
+    (1 = off), presence_penalty, frequency_penalty (0 = off) and their *_context_size (20): mlx-lm's
+    make_logits_processors. None leaves each to the daemon's configured default (greedy unless its config says otherwise).
     verify_window: this job's tokens per verify, "auto", "full" or 1..block size (1 = plain
     decoding, e.g. to compare); None: the daemon's setting. `stop` is one string or a sequence of them. Nothing is sent when a value is refused: a value
     of the wrong type (bytes as a prompt, a bool or float where an int belongs) is a TypeError; a
@@ -93,7 +103,15 @@ def make_submit(
                    positions_name=positions_name, template_args=template_args,
                    temperature=_opt_float(temperature, "temperature"), top_p=_opt_float(top_p, "top_p"),
                    top_k=None if top_k is None else _int(top_k, "top_k"),
-                   seed=None if seed is None else _int(seed, "seed"), verify_window=verify_window)
+                   seed=None if seed is None else _int(seed, "seed"), verify_window=verify_window,
+                   min_p=_opt_float(min_p, "min_p"), logit_bias=_bias(logit_bias),
+                   repetition_penalty=_opt_float(repetition_penalty, "repetition_penalty"),
+                   presence_penalty=_opt_float(presence_penalty, "presence_penalty"),
+                   frequency_penalty=_opt_float(frequency_penalty, "frequency_penalty"),
+                   **{k: None if v is None else _int(v, k) for k, v in (
+                       ("repetition_context_size", repetition_context_size),
+                       ("presence_context_size", presence_context_size),
+                       ("frequency_context_size", frequency_context_size))})
     if isinstance(prompt, str):
         sub.text = prompt
     elif _is_seq(prompt) and prompt and all(isinstance(m, Mapping) for m in prompt):
@@ -131,6 +149,22 @@ def _int(v: Any, name: str) -> int:
     if isinstance(v, bool) or not hasattr(type(v), "__index__"):
         raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
     return operator.index(v)
+
+
+def _bias(v: Any) -> dict[str, float] | None:
+    """logit_bias as the wire carries it: {"token id": bias} (map keys are strings there); ids may
+    be given as ints (numpy ints too) or decimal strings."""
+    if v is None:
+        return None
+    if not isinstance(v, Mapping):
+        raise TypeError(f"logit_bias must map token ids to numbers, got {type(v).__name__}")
+    out = {}
+    for k, x in v.items():
+        key = k if isinstance(k, str) else str(_int(k, "logit_bias token id"))
+        out[key] = _opt_float(x, f"logit_bias[{key}]")
+        if out[key] is None:
+            raise TypeError(f"logit_bias[{key}] must be a number, got None")
+    return out
 
 
 def _opt_float(v: Any, name: str) -> float | None:
@@ -380,7 +414,7 @@ class DFlashClient:
 
     def generate(self, prompt: Any, **kw: Any) -> Result:
         """Run one job to completion and return its Result (streamed underneath). Keywords are
-        make_submit's: max_tokens, stop, system, temperature, top_p, top_k, seed, verify_window,
+        make_submit's: max_tokens, stop, system, temperature, top_p, top_k, seed, min_p, verify_window,
         cache, ..."""
         with self.stream(prompt, **kw) as s:
             for _ in s:

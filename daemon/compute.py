@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import queue as _queue
 import threading
+import time
 import traceback
 from dataclasses import asdict
 from typing import Any, Callable
@@ -29,6 +30,7 @@ log = logging.getLogger("dflash.worker")
 TASK_POLL_S = 0.1  # how soon an idle MLX thread picks up control work (a cache clear)
 WRITES_WAIT_S = 10.0  # a clear waits this long for queued L2 writes, as a finishing job does
 CLEAR_TIMEOUT_S = 30.0  # clearing a large L2 store deletes many files: more than a lookup's 1 s
+IDLE_RELEASE_S = 5.0  # idle this long, the MLX thread returns MLX's cached buffers (_release_buffers)
 
 
 class Compute:
@@ -57,13 +59,26 @@ class Compute:
         if self.load_error is not None and self.cfg.exit_on_load_failure:
             self.wake()  # the worker exits 2 (Worker.serve); queued jobs stay stored for a next start
             return
+        idle_since, released = time.monotonic(), True
         while True:
             self._run_tasks()
             job = self.jobs.pop(timeout=TASK_POLL_S)  # a timeout, so control work waits no longer
             if job is not None:
                 self._run_job(job)
+                idle_since, released = time.monotonic(), False
             elif self.stopping.is_set():  # queue closed and empty: shutting down
                 return
+            elif not released and time.monotonic() - idle_since >= IDLE_RELEASE_S:
+                released = self._release_buffers()
+
+    def _release_buffers(self) -> bool:
+        """Give MLX's cached buffers back once the worker has been idle a while. MLX keeps every
+        freed buffer for reuse, so a daemon that once prefilled a long prompt held that peak for
+        as long as it ran; under load nothing changes (only an idle worker releases)."""
+        import mlx.core as mx
+
+        mx.clear_cache()
+        return True
 
     def stop(self) -> None:
         """End run() once the queue is empty; a running job is cancelled (reason "shutdown")."""
@@ -213,7 +228,7 @@ class Compute:
             should_cancel=should_cancel,
             prefix_cache=caching.for_policy(self.prefix_cache, policy),
             verify_window=window,
-            window_memory=self._window_memory(SamplingParams(**sampling).greedy),
+            window_memory=self._window_memory(not sampling.get("temperature")),  # greedy or sampled
             **sampling,
             **sparse,
         ):
@@ -277,6 +292,15 @@ class Compute:
         if len(ids) > self.cfg.max_prompt_tokens:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds max_prompt_tokens={self.cfg.max_prompt_tokens}")
         return ids
+
+    def memory(self) -> dict[str, int]:
+        """MLX's allocator: bytes in live arrays and bytes it keeps cached for reuse (0 before
+        the pair loads); read from any thread, for the worker's stats."""
+        if self.pair is None:
+            return {"mlx_active_bytes": 0, "mlx_cache_bytes": 0}
+        import mlx.core as mx
+
+        return {"mlx_active_bytes": int(mx.get_active_memory()), "mlx_cache_bytes": int(mx.get_cache_memory())}
 
     def models(self) -> dict[str, Any]:
         if self.pair is None:

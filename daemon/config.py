@@ -3,7 +3,7 @@
 One dataclass holds every setting; `load_config` applies the four layers in that order. The file
 is `--config PATH`, else $DFLASH_CONFIG, else ~/.config/dflash/config.toml (if present): top-level
 keys or a [daemon] table, plus a [generation] table for the sampling defaults (temperature, top_p,
-top_k, seed) used when a request leaves them unset. Each field `name` can be set by the env var
+top_k, seed, min_p, and the penalties of docs/sampling.md) used when a request leaves them unset. Each field `name` can be set by the env var
 DFLASH_<NAME> (e.g. DFLASH_MAX_QUEUE=128, DFLASH_TEMPERATURE=0.7).
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from . import paths
-from .protocol import SAMPLING_FIELDS
+from .protocol import PENALTY_FIELDS, SAMPLING_FIELDS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -74,6 +74,13 @@ class DaemonConfig:
     top_p: float = 1.0  # 1 = off
     top_k: int = 0  # 0 = off
     seed: int | None = None  # None: each sampled job draws a random seed
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off (mlx-lm's logits processors)
+    repetition_context_size: int = 20
+    presence_penalty: float = 0.0  # 0 = off
+    presence_context_size: int = 20
+    frequency_penalty: float = 0.0  # 0 = off
+    frequency_context_size: int = 20
     # tokens per verify: auto (follows measured timings), full, or 1..block size; never changes
     # greedy output, but a seed repeats its sampled ids only under a fixed window
     verify_window: str = "auto"
@@ -156,12 +163,13 @@ class DaemonConfig:
         for name in LIMIT_FIELDS:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        from .protocol import sampling_problem, verify_window_problem
+        from .protocol import processors_problem, sampling_problem, verify_window_problem
 
         if verify_window_problem(self.window()) is not None:
             raise ValueError(f"verify_window must be auto, full or a number of tokens >= 1, got {self.verify_window!r}")
 
-        problem = sampling_problem(self.temperature, self.top_p, self.top_k, self.seed)
+        problem = (sampling_problem(self.temperature, self.top_p, self.top_k, self.seed, self.min_p)
+                   or processors_problem({k: getattr(self, k) for k in PENALTY_FIELDS}))
         if problem is not None:
             raise ValueError(f"[generation] {problem[1]}")
 
@@ -177,7 +185,7 @@ def is_loopback(host: str) -> bool:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(DaemonConfig)}
-GENERATION_KEYS = SAMPLING_FIELDS  # the [generation] table: a submit's sampling defaults
+GENERATION_KEYS = SAMPLING_FIELDS + PENALTY_FIELDS  # the [generation] table: a submit's sampling defaults
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:

@@ -112,10 +112,10 @@ class Gateway:
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.default_max_tokens = default_max_tokens
-        # "apply": sampling applied, unapplied fields (penalties...) ignored and listed in a header;
+        # "apply": sampling applied, unapplied fields (none today) ignored and listed in a header;
         # "reject": those are a 400 instead; "greedy": every answer greedy, sampling fields listed.
         self.sampling = sampling
-        # For requests that leave temperature / top_p / top_k out (None here: the daemon's default).
+        # For requests that leave temperature / top_p / top_k / min_p out (None here: the daemon's default).
         self.default_sampling = {k: v for k, v in (default_sampling or {}).items() if v is not None}
         self.model_name = model_name
         self.metrics = GatewayMetrics()
@@ -341,11 +341,11 @@ class Gateway:
         left to the daemon's config) and the fields that were sent but will not be applied."""
         if self.sampling == "greedy":
             asked = [k for k, on in (("temperature", (req.temperature or 0) > 0), ("top_p", (req.top_p or 1) < 1),
-                                     ("top_k", (req.top_k or 0) > 1)) if on]
-            return {"temperature": 0.0}, asked + req.unapplied
+                                     ("top_k", (req.top_k or 0) > 1), ("min_p", (req.min_p or 0) > 0)) if on]
+            return {"temperature": 0.0, **req.processors}, asked + req.unapplied  # processors: deterministic
         if req.unapplied and self.sampling == "reject":
             raise S.bad(f"this server does not apply {', '.join(req.unapplied)}: leave them out or at their "
-                        "neutral values (temperature, top_p, top_k and seed are applied)", req.unapplied[0],
+                        "neutral values", req.unapplied[0],
                         "unsupported_sampling")
         return {**self.default_sampling, **req.sampling()}, req.unapplied
 
@@ -531,22 +531,26 @@ def _daemon_options(f: Any) -> Any:
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(1024), help="Request body cap.")
 @click.option("--default-max-tokens", default=512, show_default=True, type=click.IntRange(1), help="When a request sets none.")
 @click.option("--sampling", type=click.Choice(["apply", "reject", "greedy"]), default="apply", show_default=True,
-              help="apply: temperature/top_p/top_k/seed applied; fields that are not (penalties, min_p, logit_bias) "
-                   "ignored and listed in x-dflash-sampling-ignored. reject: those are a 400. greedy: every answer "
-                   "greedy, sampling fields listed in the header.")
+              help="apply: sampling (temperature/top_p/top_k/min_p/seed) and logits processors (logit_bias, "
+                   "penalties) applied; a field that is not would be ignored and listed in x-dflash-sampling-ignored. "
+                   "reject: such a field is a 400. greedy: every answer greedy (processors still applied), the "
+                   "sampling fields sent listed in the header.")
 @click.option("--default-temperature", type=click.FloatRange(min=0), default=None,
               help="For requests without a temperature (default: the daemon's [generation] temperature, normally 0).")
 @click.option("--default-top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
               help="For requests without top_p (default: the daemon's, normally 1).")
 @click.option("--default-top-k", type=click.IntRange(min=0), default=None,
               help="For requests without top_k (default: the daemon's, normally 0 = off).")
+@click.option("--default-min-p", type=click.FloatRange(0, 1), default=None,
+              help="For requests without min_p (default: the daemon's, normally 0 = off).")
 @click.option("--attach", is_flag=True, help="Only attach to a running daemon; never start one.")
 @click.option("--stop-daemon", is_flag=True, help="Stop the daemon on exit if this command started it.")
 @click.option("--wait", "wait_s", default=120.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Seconds to wait for a started daemon's model.")
 @click.pass_context
 def serve_command(ctx, config_path, host, port, api_key, served_model_name, max_body_bytes, default_max_tokens,
-                  sampling, default_temperature, default_top_p, default_top_k, attach, stop_daemon, wait_s, **flags):
+                  sampling, default_temperature, default_top_p, default_top_k, default_min_p, attach, stop_daemon,
+                  wait_s, **flags):
     """OpenAI-compatible HTTP API over dflashd (starts the daemon, or attaches to a running one)."""
     from . import cli as dcli
 
@@ -554,7 +558,7 @@ def serve_command(ctx, config_path, host, port, api_key, served_model_name, max_
 
     if not is_loopback(host) and not api_key:
         raise click.ClickException(f"binding {host} (not loopback) needs --api-key (or DFLASH_API_KEY)")
-    problem = P.sampling_problem(default_temperature, default_top_p, default_top_k)
+    problem = P.sampling_problem(default_temperature, default_top_p, default_top_k, min_p=default_min_p)
     if problem is not None:
         raise click.BadParameter(problem[1], param_hint=f"--default-{problem[0].replace('_', '-')}")
     cfg = dcli._resolve(config_path, **flags)
@@ -570,7 +574,8 @@ def serve_command(ctx, config_path, host, port, api_key, served_model_name, max_
     logging.basicConfig(level=os.environ.get("DFLASH_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(message)s")
     gw = Gateway(cfg.resolved_endpoint(), cfg, api_key=api_key, max_body_bytes=max_body_bytes,
                  default_max_tokens=default_max_tokens, sampling=sampling, model_name=served_model_name,
-                 default_sampling={"temperature": default_temperature, "top_p": default_top_p, "top_k": default_top_k})
+                 default_sampling={"temperature": default_temperature, "top_p": default_top_p, "top_k": default_top_k,
+                                   "min_p": default_min_p})
 
     def ready(url: str) -> None:
         click.echo(f"dflash serve: listening on {url} (daemon at {cfg.resolved_endpoint()})", err=False)

@@ -13,28 +13,27 @@ from typing import Any, Callable
 
 from . import protocol as P
 
-# Sampling the engine applies (top_k is vLLM's extra field). Absent or null: the server default.
+# Sampling the engine applies (top_k and min_p are vLLM's extra fields). Absent or null: the server default.
 SAMPLING = P.SAMPLING_FIELDS
-# Sampling fields the engine does not apply, with the test for "asks for something": at any other
-# (neutral) value they are fine; otherwise the answer is made without them and says so (the
-# x-dflash-sampling-ignored header), or, with --sampling reject, the request is refused.
-_UNAPPLIED: dict[str, Callable[[float], bool]] = {
-    "min_p": lambda v: v > 0,
-    "presence_penalty": lambda v: v != 0,
-    "frequency_penalty": lambda v: v != 0,
-    "repetition_penalty": lambda v: v != 1,
-}
-# Their ranges (OpenAI's for the penalties, vLLM's for min_p and repetition_penalty): a value outside
-# is a 400 even though it is not applied, as it would be on those servers.
-_UNAPPLIED_RANGE: dict[str, tuple[Callable[[float], bool], str]] = {
-    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+# Logits processors the engine applies (mlx-lm's make_logits_processors): OpenAI's logit_bias,
+# presence_penalty and frequency_penalty, vLLM's repetition_penalty, and mlx-lm server's context
+# sizes (extra fields). Their ranges: OpenAI's for the bias and the penalties, vLLM's for
+# repetition_penalty; a value outside is a 400.
+PROCESSORS = P.PROCESSOR_FIELDS
+_NUMBER_RANGE: dict[str, tuple[Callable[[float], bool], str]] = {
     "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
     "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
-    "repetition_penalty": (lambda v: v > 0, "> 0"),
+    "repetition_penalty": (lambda v: 0 < v < float("inf"), "a finite number > 0"),
 }
+BIAS_RANGE = 100  # OpenAI's: each bias in [-100, 100]
+# Sampling fields the engine does not apply, with the test for "asks for something": at any other
+# (neutral) value they are fine; otherwise the answer is made without them and says so (the
+# x-dflash-sampling-ignored header), or, with --sampling reject, the request is refused. None
+# today: the mechanism stays for a field accepted before it is applied.
+_UNAPPLIED: dict[str, Callable[[Any], bool]] = {}
 # Accepted without effect (labels, or neutral values); the others are refused in _check_unsupported.
 _IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "tool_choice",
-            "top_logprobs", "logit_bias", "logprobs", "n", "tools", "response_format", "echo", "best_of",
+            "top_logprobs", "logprobs", "n", "tools", "response_format", "echo", "best_of",
             "suffix", "functions", "function_call"}
 # The labels among them, with the JSON type each must have (OpenAI refuses another type too).
 _LABELS: dict[str, tuple[type, str]] = {"user": (str, "a string"), "metadata": (dict, "an object"),
@@ -44,8 +43,8 @@ WIRE_INT_MAX = (1 << 64) - 1  # the largest integer the daemon's wire (msgpack) 
 # dflash's own extra field (as top_k is vLLM's): the job's verify window, "auto", "full" or a token
 # count, 1 = plain decoding (protocol version 3); absent or null: the daemon's setting
 _EXTRA = {"verify_window"}
-_COMMON = ({"model", "stream", "stream_options", "stop", "max_tokens"} | set(SAMPLING) | set(_UNAPPLIED) | _IGNORED
-           | _EXTRA)
+_COMMON = ({"model", "stream", "stream_options", "stop", "max_tokens"} | set(SAMPLING) | set(PROCESSORS)
+           | set(_UNAPPLIED) | _IGNORED | _EXTRA)
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"}
 _COMPLETION_FIELDS = _COMMON | {"prompt"}
 # Keyword arguments of apply_chat_template that a request must not override.
@@ -92,13 +91,15 @@ class GenRequest:
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
+    min_p: float | None = None
+    processors: dict[str, Any] = field(default_factory=dict)  # logit_bias and penalties the request set
     unapplied: list[str] = field(default_factory=list)  # sampling fields asking for what is not applied
     verify_window: str | int | None = None  # the job's own window (None: the daemon's)
     max_tokens_param: str | None = None  # the field that set max_tokens (None: the server's default)
 
     def sampling(self) -> dict[str, Any]:
-        """The sampling fields the request set (absent ones are left out)."""
-        return {k: getattr(self, k) for k in SAMPLING if getattr(self, k) is not None}
+        """The sampling fields and logits processors the request set (absent ones are left out)."""
+        return {**{k: getattr(self, k) for k in SAMPLING if getattr(self, k) is not None}, **self.processors}
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -179,6 +180,7 @@ def _common(body: dict, kind: str, prompt: Any, raw: bool) -> GenRequest:
     _check_labels(body)
     _check_unsupported(body)
     _sampling(body, req)
+    req.processors = _processors(body)
     req.unapplied = _unapplied(body)
     req.verify_window = body.get("verify_window")
     problem = P.verify_window_problem(req.verify_window)
@@ -232,7 +234,7 @@ def _check_unsupported(body: dict) -> None:
 
 
 def _sampling(body: dict, req: GenRequest) -> None:
-    """temperature, top_p, top_k (-1 = off, as in vLLM) and seed onto the request, range-checked
+    """temperature, top_p, top_k (-1 = off, as in vLLM), seed and min_p onto the request, range-checked
     by the daemon's own rules (so a bad value is a 400 naming its field, not a failed job)."""
     for name in SAMPLING:
         v = body.get(name)
@@ -249,8 +251,8 @@ def _sampling(body: dict, req: GenRequest) -> None:
                 raise bad(f"top_k must be an integer in 0..2^64-1 (0 = off), got {_shown(v)}", name)
         elif isinstance(v, bool) or not isinstance(v, (int, float)):
             raise bad(f"'{name}' must be a number", name, "invalid_type")
-        setattr(req, name, float(v) if name in ("temperature", "top_p") else v)
-    problem = P.sampling_problem(req.temperature, req.top_p, req.top_k, req.seed)
+        setattr(req, name, float(v) if name in ("temperature", "top_p", "min_p") else v)
+    problem = P.sampling_problem(req.temperature, req.top_p, req.top_k, req.seed, req.min_p)
     if problem is not None:
         field_name, message = problem
         if field_name == "top_k":
@@ -258,26 +260,47 @@ def _sampling(body: dict, req: GenRequest) -> None:
         raise bad(message, field_name)
 
 
-def _unapplied(body: dict) -> list[str]:
-    """Names of the sampling fields whose values ask for something the engine does not apply."""
-    out = []
-    for name, differs in _UNAPPLIED.items():
+def _processors(body: dict) -> dict[str, Any]:
+    """logit_bias, the penalties and their context sizes onto the submit, range-checked (OpenAI's
+    ranges, then the daemon's own rules); absent or null: the daemon's default (off)."""
+    out: dict[str, Any] = {}
+    for name, (in_range, where) in _NUMBER_RANGE.items():
         v = body.get(name)
         if v is None:
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
+        if not _number(v):
             raise bad(f"'{name}' must be a number", name, "invalid_type")
-        in_range, where = _UNAPPLIED_RANGE[name]
         if not in_range(v):  # NaN fails every comparison, so it lands here too
             raise bad(f"{name} must be {where}, got {v!r}", name)
-        if differs(v):
-            out.append(name)
+        out[name] = float(v)
+    for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
+        v = body.get(name)
+        if v is None:
+            continue
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise bad(f"'{name}' must be an integer", name, "invalid_type")
+        out[name] = v
     lb = body.get("logit_bias")
-    if lb is not None and not (isinstance(lb, dict) and all(_number(v) for v in lb.values())):
-        raise bad("'logit_bias' must be an object mapping token ids to numbers", "logit_bias", "invalid_type")
-    if lb and any(v != 0 for v in lb.values()):
-        out.append("logit_bias")
+    if lb is not None:
+        if not (isinstance(lb, dict) and all(_number(v) for v in lb.values())):
+            raise bad("'logit_bias' must be an object mapping token ids to numbers", "logit_bias", "invalid_type")
+        for k, v in lb.items():
+            if not -BIAS_RANGE <= v <= BIAS_RANGE:
+                raise bad(f"logit_bias values must be in [-{BIAS_RANGE}, {BIAS_RANGE}], got {v!r} for token {k}",
+                          "logit_bias")
+        if lb:
+            out["logit_bias"] = {k: float(v) for k, v in lb.items()}
+    problem = P.processors_problem(out)  # token ids as keys, context sizes >= 1: the daemon's rules
+    if problem is not None:
+        raise bad(problem[1], problem[0])
     return out
+
+
+def _unapplied(body: dict) -> list[str]:
+    """Names of the sampling fields whose values ask for something the engine does not apply."""
+    return [name for name, differs in _UNAPPLIED.items() if body.get(name) is not None and differs(body[name])]
 
 
 def _number(v: Any) -> bool:
@@ -361,7 +384,8 @@ def _template_args(v: Any) -> dict | None:
 # ("max_tokens must be in 1..8192"), the prompt checks speak of the prompt, its token ids or
 # messages (or, over max_frame_bytes, of the frame the prompt made too big).
 _QUOTED_FIELD = re.compile(r"\bfield '(\w+)'")
-_LEADING_FIELD = re.compile(r"(max_tokens|temperature|top_p|top_k|seed|verify[_ ]window)\b")
+_LEADING_FIELD = re.compile(r"(max_tokens|temperature|top_p|top_k|seed|min_p|verify[_ ]window|logit_bias|"
+                            r"(?:repetition|presence|frequency)_(?:penalty|context_size))\b")
 _PROMPT_WORDS = re.compile(r"\b(prompt|token ids?|messages?|frame of)\b", re.IGNORECASE)
 
 
@@ -390,7 +414,7 @@ def request_param(wire: str | None, req: GenRequest | None) -> str | None:
     names = {"token_ids": prompt, "text": prompt, "messages": prompt, "system": prompt, "prompt": prompt,
              "max_tokens": (req.max_tokens_param if req else None) or "max_tokens",
              "template_args": "chat_template_kwargs", "stop": "stop", "verify_window": "verify_window",
-             **{k: k for k in SAMPLING}}
+             **{k: k for k in SAMPLING}, **{k: k for k in PROCESSORS}}
     return names.get(wire) if wire else None
 
 
@@ -410,7 +434,7 @@ def usage(stats: dict) -> dict[str, Any]:
 
 def engine_facts(job_id: str, stats: dict) -> dict[str, Any]:
     """The `dflash` extension field: the job, the sampling the worker applied (temperature, top_p,
-    top_k, seed: the one drawn when none was given), its verify window and the speculative-decoding
+    top_k, seed: the one drawn when none was given, min_p), its verify window and the speculative-decoding
     numbers."""
     keys = ("verify_window", "acceptance", "tokens_per_cycle", "cycles", "accepted_drafts", "ttft_s", "prefill_tps",
             "decode_tps")

@@ -8,7 +8,8 @@ sends can make it raise anything else.
 
 Versions: 1 (the first); 2 appends temperature, top_p, top_k and seed to `submit` and adds the
 `bad_sampling` code; 3 appends `verify_window` to `submit` (one job's verify window: "auto",
-"full" or a token count; plain decoding with 1). A message of another version is refused with `bad_version`, naming both
+"full" or a token count; plain decoding with 1); 4 appends `min_p` and the logits processors
+(`logit_bias`, the repetition / presence / frequency penalties and their context sizes) to `submit`. A message of another version is refused with `bad_version`, naming both
 versions (`version_error`); the `error`, `done` and `status` layouts are unchanged since 1, so
 an error answering a version-1 or -2 request is stamped with that version and an old client reads it as the
 typed error it is, instead of failing to decode it. A new op (`cache_clear`) is not a new
@@ -26,10 +27,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterator, Union
 
-VERSION = 3
+VERSION = 4
 # Older versions whose error replies share this version's layout: an error answering a request of
 # one of these is stamped with the request's version, so that peer can decode it.
-OLDER_VERSIONS = (1, 2)
+OLDER_VERSIONS = (1, 2, 3)
+PARAM_SINCE = 3  # the version that appended `param` to `error` (older layouts lack it)
 
 # Error codes (replies of type "error"); clients map them to exception classes.
 BAD_FRAME = "bad_frame"  # not one frame, not msgpack, not a map
@@ -48,7 +50,7 @@ INTERNAL = "internal"
 BAD_POSITIONS = "bad_positions"  # sparse positions out of order, out of range, or empty
 SPARSE_WITH_CACHE = "sparse_with_cache"  # sparse prefill asked to use/refresh the prefix cache
 CACHE_UNAVAILABLE = "cache_unavailable"  # the cache process (position lists) is not reachable
-BAD_SAMPLING = "bad_sampling"  # temperature / top_p / top_k / seed out of range (v2)
+BAD_SAMPLING = "bad_sampling"  # temperature / top_p / top_k / seed (v2), min_p, processors (v4) out of range
 
 CACHE_POLICIES = ("use", "bypass", "refresh")
 
@@ -79,15 +81,17 @@ def version_error(peer: Any, what: str, me: str) -> ProtocolError:
                          f"this {me} speaks version {VERSION} ({hint})", peer_version=peer)
 
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")  # a submit's sampling (v2), mlx-lm's names
+# a submit's sampling, mlx-lm's names: the first four came with version 2, min_p with 4
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "min_p")
 
 
 def sampling_problem(temperature: Any = None, top_p: Any = None, top_k: Any = None,
-                     seed: Any = None) -> tuple[str, str] | None:
+                     seed: Any = None, min_p: Any = None) -> tuple[str, str] | None:
     """(field, message) for the first sampling value out of range, else None (None = unset).
 
     temperature >= 0 (0 = greedy), 0 < top_p <= 1 (1 = off), top_k >= 0 (0 = off), seed in
-    0..2^64-1; the same rules as the engine's, checked here so a bad value never reaches a job."""
+    0..2^64-1, 0 <= min_p <= 1 (0 = off); the same rules as the engine's, checked here so a bad
+    value never reaches a job."""
     def number(v: Any) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -102,6 +106,48 @@ def sampling_problem(temperature: Any = None, top_p: Any = None, top_k: Any = No
         return "top_k", f"top_k must be an integer >= 0 (0 = off), got {top_k!r}"
     if seed is not None and not (integer(seed) and 0 <= seed <= SEED_MAX):
         return "seed", f"seed must be an integer in 0..2^64-1, got {seed!r}"
+    if min_p is not None and not (number(min_p) and 0 <= min_p <= 1):
+        return "min_p", f"min_p must be in [0, 1] (0 = off), got {min_p!r}"
+    return None
+
+
+# a submit's logits processors (v4), mlx-lm's make_logits_processors names; the penalties and their
+# windows are [generation] defaults too, logit_bias only per request (token ids are the model's)
+PENALTY_FIELDS = ("repetition_penalty", "repetition_context_size", "presence_penalty", "presence_context_size",
+                  "frequency_penalty", "frequency_context_size")
+PROCESSOR_FIELDS = ("logit_bias", *PENALTY_FIELDS)
+MAX_TOKEN_ID_DIGITS = 20  # 2^64 - 1 has 20: a longer key cannot be a token id
+
+
+def processors_problem(values: dict[str, Any]) -> tuple[str, str] | None:
+    """(field, message) for the first logits-processor value out of range in `values` (a map of
+    PROCESSOR_FIELDS; None or absent = unset), else None. logit_bias maps token ids, as decimal
+    strings (msgpack and JSON map keys), to finite numbers; the vocabulary bounds them at the
+    worker. repetition_penalty > 0 (1 = off), presence/frequency any finite number (0 = off),
+    context sizes integers >= 1."""
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    bias = values.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            return "logit_bias", f"logit_bias must map token ids to numbers, got {type(bias).__name__}"
+        for k, v in bias.items():
+            if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= MAX_TOKEN_ID_DIGITS):
+                return "logit_bias", f"logit_bias keys must be token ids (decimal integers >= 0), got {k!r}"
+            if not number(v):
+                return "logit_bias", f"logit_bias values must be finite numbers, got {v!r} for token {k}"
+    r = values.get("repetition_penalty")
+    if r is not None and not (number(r) and r > 0):
+        return "repetition_penalty", f"repetition_penalty must be a finite number > 0 (1 = off), got {r!r}"
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = values.get(name)
+        if v is not None and not number(v):
+            return name, f"{name} must be a finite number (0 = off), got {v!r}"
+    for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
+        v = values.get(name)
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= SEED_MAX):
+            return name, f"{name} must be an integer >= 1 (tokens), got {v!r}"
     return None
 
 
@@ -140,7 +186,10 @@ def check_submit(sub: "Submit") -> None:
         neg = next((t for t in sub.token_ids if t < 0), None)
         if neg is not None:
             raise ProtocolError(BAD_REQUEST, f"token ids must be >= 0, got {neg}", param="token_ids")
-    check_sampling(sub.temperature, sub.top_p, sub.top_k, sub.seed)
+    check_sampling(sub.temperature, sub.top_p, sub.top_k, sub.seed, sub.min_p)
+    problem = processors_problem({k: getattr(sub, k) for k in PROCESSOR_FIELDS})
+    if problem is not None:
+        raise ProtocolError(BAD_SAMPLING, problem[1], param=problem[0])
     problem = verify_window_problem(sub.verify_window)
     if problem is not None:
         raise ProtocolError(BAD_REQUEST, problem, param="verify_window")
@@ -157,9 +206,10 @@ def check_types(msg: Any) -> None:
                                 param=f.name)
 
 
-def check_sampling(temperature: Any = None, top_p: Any = None, top_k: Any = None, seed: Any = None) -> None:
+def check_sampling(temperature: Any = None, top_p: Any = None, top_k: Any = None, seed: Any = None,
+                   min_p: Any = None) -> None:
     """Raise ProtocolError(BAD_SAMPLING, param=the field) for a value out of range."""
-    problem = sampling_problem(temperature, top_p, top_k, seed)
+    problem = sampling_problem(temperature, top_p, top_k, seed, min_p)
     if problem is not None:
         raise ProtocolError(BAD_SAMPLING, problem[1], param=problem[0])
 
@@ -196,6 +246,16 @@ class Submit:
     # v3: this job's verify window, "auto", "full" or 1..block size (1 = plain decoding); None =
     # the worker's setting (reported in done.stats.verify_window)
     verify_window: str | int | None = None
+    # v4: min-p sampling, in [0, 1]; 0 = off; None = the daemon's configured default
+    min_p: float | None = None
+    # v4: logits processors (mlx-lm's make_logits_processors); None = the daemon's default (off)
+    logit_bias: dict | None = None  # {"token id": bias}: map keys are strings on the wire
+    repetition_penalty: float | None = None  # > 0; 1 = off
+    repetition_context_size: int | None = None  # tokens; the default 20
+    presence_penalty: float | None = None  # 0 = off
+    presence_context_size: int | None = None
+    frequency_penalty: float | None = None  # 0 = off
+    frequency_context_size: int | None = None
 
 
 @dataclass
@@ -378,15 +438,15 @@ REPLIES: dict[str, type] = {c.type: c for c in (Accepted, Delta, Done, Error, St
 
 def to_map(msg: Any, version: int = VERSION) -> dict[str, Any]:
     """The wire map of a struct: version, op or type, then its fields in schema order. `version`
-    other than VERSION only for an `error` to a peer of an older version: its layout then, without
-    what version 3 appended (`param`)."""
+    other than VERSION only for an `error` to a peer of an older version: its layout then (before
+    version 3, without `param`)."""
     out: dict[str, Any] = {"v": version}
     if hasattr(msg, "op"):
         out["op"] = msg.op
     else:
         out["type"] = msg.type
     for f in dataclasses.fields(msg):
-        if not (version < VERSION and isinstance(msg, Error) and f.name == "param"):
+        if not (version < PARAM_SINCE and isinstance(msg, Error) and f.name == "param"):
             out[f.name] = getattr(msg, f.name)
     return out
 

@@ -355,9 +355,23 @@ class Worker:
         out = {"temperature": float(cfg.temperature if req.temperature is None else req.temperature),
                "top_p": float(cfg.top_p if req.top_p is None else req.top_p),
                "top_k": int(cfg.top_k if req.top_k is None else req.top_k),
-               "seed": cfg.seed if req.seed is None else req.seed}
+               "seed": cfg.seed if req.seed is None else req.seed,
+               "min_p": float(cfg.min_p if req.min_p is None else req.min_p)}
         if out["temperature"] > 0 and out["seed"] is None:
             out["seed"] = secrets.randbits(63)
+        return {**out, **self._processors(req)}
+
+    def _processors(self, req: P.Submit) -> dict[str, Any]:
+        """The job's logits processors (engine/processors.py), resolved like its sampling; only
+        those that change something, so a job without them reads as before."""
+        cfg, out = self.cfg, {}
+        value = {k: getattr(cfg, k) if getattr(req, k) is None else getattr(req, k) for k in P.PENALTY_FIELDS}
+        for kind, off in (("repetition", 1), ("presence", 0), ("frequency", 0)):
+            if value[f"{kind}_penalty"] != off:
+                out[f"{kind}_penalty"] = float(value[f"{kind}_penalty"])
+                out[f"{kind}_context_size"] = int(value[f"{kind}_context_size"])
+        if req.logit_bias:
+            out["logit_bias"] = {k: float(v) for k, v in req.logit_bias.items()}
         return out
 
     def _validate(self, req: P.Submit) -> None:
@@ -390,6 +404,10 @@ class Worker:
         if req.timeout_s is not None and not req.timeout_s > 0:
             raise bad("timeout_s must be > 0", "timeout_s")
         P.check_submit(req)  # job id, token ids >= 0, sampling: the rules the clients check too
+        vocab = self.compute.vocab_size  # 0 until the model is loaded: the engine checks it then
+        if req.logit_bias and vocab and max(map(int, req.logit_bias)) >= vocab:
+            raise P.ProtocolError(P.BAD_SAMPLING, f"logit_bias token id {max(map(int, req.logit_bias))} is outside "
+                                  f"the vocabulary (0..{vocab - 1})", param="logit_bias")
         self._validate_sparse(req)
 
     def _validate_sparse(self, req: P.Submit) -> None:
@@ -498,12 +516,26 @@ class Worker:
             "held": len(self.held),
             "job_store": self.store.notes(),  # damaged job stores moved aside and still kept
             "l2_cache": "up" if cache["l2_up"] else "down" if self.cfg.cache else "off",
-            "generation": {**{k: getattr(self.cfg, k) for k in P.SAMPLING_FIELDS},
+            "generation": {**{k: getattr(self.cfg, k) for k in P.SAMPLING_FIELDS + P.PENALTY_FIELDS},
                            "verify_window": self.cfg.verify_window},
             **self.compute.counters,
             **self.counters,
             "cache": cache,
+            "tables": self.tables(),
         }
+
+    def tables(self) -> dict[str, int]:
+        """Sizes of the worker's own tables and queues, read-only (an optional `stats` field):
+        each returns to its idle size (0, `threads` to its start count) once no request is in
+        flight, whatever was cancelled or disconnected on the way; scripts/soak.py and
+        tests/test_soak.py watch them. `py_blocks` (Python's allocated blocks) and MLX's bytes
+        are gauges: flat over a soak unless something keeps objects."""
+        queue, store = self.jobs.sizes(), self.store.counts()
+        return {"watchers": len(self.watchers), "held": len(self.held), "waiting": len(self.waiting),
+                "queue_jobs": queue["jobs"], "queue_heap": queue["heap"],
+                "events": self.compute.events.qsize(), "tasks": self.compute.tasks.qsize(),
+                "store_jobs": store["jobs"], "store_results": store["results"], "store_rows": store["rows"],
+                "threads": threading.active_count(), "py_blocks": sys.getallocatedblocks(), **self.compute.memory()}
 
 
 def _check_list_name(name: str) -> None:

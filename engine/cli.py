@@ -33,6 +33,15 @@ def _stops(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -
     return value
 
 
+def _bias(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[int, float] | None:
+    from .processors import parse_bias_flags
+
+    try:
+        return parse_bias_flags(values)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 def _kv_bits(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
     from .rollback import kv_bits_problem  # the one rule, imported only when the option is given
 
@@ -64,13 +73,27 @@ def _kv_bits(ctx: click.Context, param: click.Parameter, value: int | None) -> i
               help="Nucleus sampling (with --temperature > 0): keep the smallest set of tokens with this mass; 1 = off.")
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
               help="Sampling (with --temperature > 0): keep the k most likely tokens; 0 = off.")
+@click.option("--min-p", type=click.FloatRange(0, 1), default=0.0, show_default=True, callback=finite_option,
+              help="Sampling (with --temperature > 0): keep the tokens at least this fraction as likely as the "
+                   "most likely one; 0 = off.")
+@click.option("--logit-bias", multiple=True, callback=_bias, metavar="ID=BIAS",
+              help="Add BIAS to token ID's logit (repeatable; mlx-lm's logits processors, greedy or sampled).")
+@click.option("--repetition-penalty", type=float, default=None, callback=finite_option,
+              help="mlx-lm's repetition penalty (> 0; 1 = off) over the last --repetition-context-size tokens.")
+@click.option("--repetition-context-size", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--presence-penalty", type=float, default=None, callback=finite_option,
+              help="Subtracted once from each token of the last --presence-context-size (0 = off).")
+@click.option("--presence-context-size", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--frequency-penalty", type=float, default=None, callback=finite_option,
+              help="Subtracted per occurrence in the last --frequency-context-size (0 = off).")
+@click.option("--frequency-context-size", type=click.IntRange(min=1), default=20, show_default=True)
 @click.option("--seed", type=click.IntRange(0, (1 << 64) - 1), default=None,
               help="Random seed for sampling; default: a random one, printed. The same seed repeats the same ids under a fixed --verify-window (auto follows timings).")
 @click.option("--compare-plain", is_flag=True,
               help="Then decode the same prompt plainly (verify window 1) and print the measured speedup and "
                    "whether the tokens are the same (--json: under 'plain').")
 def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtype, kv_bits, verify_window, copy_draft,
-             as_json, temperature, top_p, top_k, seed, compare_plain):
+             as_json, temperature, top_p, top_k, min_p, seed, compare_plain, **processors):
     """Generate with DFlash (greedy by default); prints text as it streams, then the stats.
 
     Ctrl-C stops after the current cycle and still prints the stats (--json: the JSON so far,
@@ -86,14 +109,14 @@ def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtyp
         import secrets
 
         seed = secrets.randbits(63)
-    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "min_p": min_p}
     plain, shown = None, False  # shown: the DFlash run's stats line is printed already
     try:
         prompt = _read_prompt(prompt)
         pair = load_pair(model_path, draft_path, dtype=dtype)
         _check_pair(pair, compare_plain)
         ids = build_prompt(pair.tokenizer, prompt, system=system, raw=raw)
-        common = dict(stop=stop, kv_bits=kv_bits, **sampling)
+        common = dict(stop=stop, kv_bits=kv_bits, **sampling, **processors)
         with CtrlC() as cancel:
             final = _decode(pair, ids, max_tokens, not as_json, cancel, verify_window=verify_window,
                             copy_draft=copy_draft, **common)

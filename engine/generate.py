@@ -27,6 +27,7 @@ from .branches import MIN_WIDTH
 from .drafters import Drafter
 from .lookup import CopyProposer
 from .prefix import PrefixSession
+from .processors import CONTEXT_SIZE, LogitsProcessors, ProcessorParams
 from .sampling import DraftSampling, KeyChain, SamplingParams
 from .target import TargetModel
 from .verify import Verified, taught, verify
@@ -104,6 +105,14 @@ def stream_dflash_generate(
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int | None = None,
+    min_p: float = 0.0,
+    logit_bias: dict[int, float] | None = None,
+    repetition_penalty: float | None = None,
+    repetition_context_size: int = CONTEXT_SIZE,
+    presence_penalty: float | None = None,
+    presence_context_size: int = CONTEXT_SIZE,
+    frequency_penalty: float | None = None,
+    frequency_context_size: int = CONTEXT_SIZE,
     copy_draft: bool = True,
     window_memory: WindowMemory | None = None,
     branches: int | None = None,
@@ -112,10 +121,18 @@ def stream_dflash_generate(
     """DFlash generation. Yields TokenDelta events, then one Finished with the stats.
 
     temperature 0 (default) is greedy. Otherwise each token is distributed exactly as mlx-lm's
-    `make_sampler(temperature, top_p=top_p, top_k=top_k)` would draw it from the target (top-p
-    then top-k on the untempered log-probs; top_p 1 and top_k 0 are off). `seed` fixes the draws
+    `make_sampler(temperature, top_p=top_p, min_p=min_p, top_k=top_k)` would draw it from the
+    target (top-p, then min-p, then top-k on the untempered log-probs; top_p 1, min_p 0 and top_k
+    0 are off). `seed` fixes the draws
     (None: a random one); the same seed and the same verify windows give the same ids (the
     "auto" window follows measured timings, so pin a window for bit-reproducible runs).
+
+    logit_bias ({token id: bias}; ids may be decimal strings, as JSON keys are),
+    repetition_penalty, presence_penalty, frequency_penalty and their *_context_size (20 each):
+    mlx-lm's `make_logits_processors`, applied to the target's logits with the history mlx-lm's
+    generate_step gives them (prompt + generated tokens), greedy or sampled
+    (engine/processors.py). The ids (greedy) or their distribution (sampling) are those of
+    mlx-lm's generation with the same processors; the draft's proposals stay unprocessed.
 
     verify_window: "auto" (default; see window.py), "full" (the whole block, as published), or
     a fixed number of tokens per verify (2..block size). Never changes the output (greedy) or its
@@ -142,7 +159,10 @@ def stream_dflash_generate(
     texts part; a teacher lets arms and mlx-lm be timed on one text (scripts/arms_ab.py
     --teach). The output is the teacher's, not a claim about the target's.
     """
-    params = SamplingParams(temperature, top_p, top_k, seed)
+    params = SamplingParams(temperature, top_p, top_k, seed, min_p)
+    proc_params = ProcessorParams(logit_bias, repetition_penalty, repetition_context_size, presence_penalty,
+                                  presence_context_size, frequency_penalty, frequency_context_size)
+    proc_params.check_vocab(target.vocab_size)
     keys = None if params.greedy else KeyChain(params.seed)  # None: greedy, no randomness
     if (problem := rollback.kv_bits_problem(kv_bits)) is not None:
         raise ValueError(problem)
@@ -163,6 +183,7 @@ def stream_dflash_generate(
     ids = prompt_ids(tokenizer, prompt, target.vocab_size)
     if not ids:
         raise ValueError("empty prompt: at least one token is needed")
+    procs = LogitsProcessors(proc_params, ids) if proc_params.active else None
     stop = [stop] if isinstance(stop, str) else list(stop)  # one stop string, as the clients take it
     if not all(isinstance(s, str) for s in stop):
         raise TypeError("stop must be a string or a list of strings")
@@ -205,19 +226,23 @@ def stream_dflash_generate(
     if start < len(ids):  # a whole-prompt hit restored the last logits: no forward needed
         logits = _prefill(target, drafter, caches, ids, prefill_chunk, positions, start, session)
     rollback.quantize_kv(caches, kv_bits, kv_group_size)
+    last = logits[0, -1] if procs is None else procs(logits[0, -1:], len(ids))[0]
     if keys is None:
-        anchor = mx.argmax(logits[0, -1]).astype(mx.int32)
+        anchor = mx.argmax(last).astype(mx.int32)
         if forced is not None:
             anchor = taught(anchor.reshape(1), forced[:1])[0]
     else:
-        anchor = sampling_mod.sample(logits[0, -1], params, keys.next())
+        anchor = sampling_mod.sample(last, params, keys.next())
     first = anchor.item()
+    if procs is not None:
+        procs.extend([first])
     t_first = time.perf_counter()
     stats.ttft_s = t_first - t_start
     stats.prefill_tps = (len(ids) - start) / max(stats.ttft_s, 1e-9)
 
     # position of the anchor; target caches hold everything before it
     pos = positions[-1] + 1 if positions is not None else len(ids)
+    first_pos = pos  # the history before the anchor at p: ids + the first p - first_pos tokens
     inflight: Verified | None = None
     reason = ""
     verified_tokens = 0
@@ -230,8 +255,9 @@ def stream_dflash_generate(
     branch_rows = target.branches if branches is None else branches
     if branch_rows < 1:
         raise ValueError(f"branches must be >= 1, got {branch_rows}")
-    if keys is not None or "rows" not in drafter_params or not rollback.rows_supported(caches):
-        branch_rows = 1  # sampled cycles, ids-only drafters and other cache kinds verify one row
+    if (keys is not None or procs is not None or "rows" not in drafter_params
+            or not rollback.rows_supported(caches)):
+        branch_rows = 1  # sampled or processed cycles, ids-only drafters, other caches: one row
     stats.branch_rows = branch_rows
     by_rows = {"rows": branch_rows} if branch_rows > 1 else {}
     # the default rows stop where their KV cache copies would pass the target's budget
@@ -270,11 +296,15 @@ def stream_dflash_generate(
 
     def check(anchor: mx.array, drafts: mx.array, pos: int, q: mx.array | None = None) -> Verified:
         """Verify the anchor at `pos` and its drafts."""
+        process = None
+        if procs is not None:  # the history before this anchor is on the host already
+            n_before = len(ids) + pos - first_pos
+            process = lambda rows, block: procs(rows, n_before, block)  # noqa: E731
         if keys is None:
             j = pos - len(ids) + 1  # the answer index of the block's first emitted token
             taught_ids = None if forced is None else forced[j : j + 1 + drafts.shape[-1]]
-            return verify(target, caches, anchor, drafts, record_tape, forced=taught_ids)
-        return verify(target, caches, anchor, drafts, record_tape, params, keys.next(), q)
+            return verify(target, caches, anchor, drafts, record_tape, forced=taught_ids, process=process)
+        return verify(target, caches, anchor, drafts, record_tape, params, keys.next(), q, process=process)
 
     def plan() -> tuple[int, list[int]]:
         """The next cycle's window and, when it verifies a copy, the copied ids (else [])."""
@@ -381,6 +411,8 @@ def stream_dflash_generate(
             new = values[1 : 1 + n_keep]
             if proposer is not None:
                 proposer.extend(new)
+            if procs is not None:
+                procs.extend(new)
             handed = out.drafted
             done = out.push(new, [True] * accepted + [False], eos, max_tokens)
             stats.copy_accepted += out.drafted - handed if cyc.copied else 0  # as accepted_drafts counts
@@ -441,8 +473,9 @@ def sampling_line(sampling: dict[str, Any]) -> str:
     run can be repeated; "" for greedy runs."""
     if not sampling.get("temperature"):
         return ""
+    min_p = f", min_p {sampling['min_p']:g}" if sampling.get("min_p") else ""
     return (f"sampling: temperature {sampling['temperature']:g}, top_p {sampling.get('top_p', 1.0):g}, "
-            f"top_k {sampling.get('top_k', 0)}, seed {sampling.get('seed')}")
+            f"top_k {sampling.get('top_k', 0)}{min_p}, seed {sampling.get('seed')}")
 
 
 def format_stats(s: dict[str, Any]) -> str:
@@ -566,13 +599,13 @@ def _prefill(
 class _Output:
     """Committed tokens, text with stop-sequence hold-back, and the finish reason.
 
-    Each TokenDelta carries one cycle's ids and the text they completed. When generation ends in
-    a cycle that has ids (max_tokens, a stop string, an EOS after other ids), the detokenizer's
-    flush (a lone U+FFFD for a cut multi-byte character, as mlx-lm writes it) joins that cycle's
-    delta, as mlx-lm gives it with the last token. Only when nothing new came in the last cycle
-    (an EOS first in its cycle, a cancel) does the flush arrive as text with no ids: holding every
-    delta whose last character is incomplete back a cycle would delay streamed text for a rare
-    end. Concatenated, the deltas' text and ids are the Finished text and ids.
+    Each TokenDelta carries one cycle's ids and the text they completed. Ids whose text the
+    detokenizer still holds (the first bytes of a multi-byte character, a lone space) wait and go
+    with the delta that releases that text: a later cycle's, or the final flush (a lone U+FFFD for
+    a cut character, as mlx-lm writes it). So the flush carries its ids however generation ends,
+    also when the last cycle brought none (an EOS first in its cycle, a cancel), where it used to
+    come as text without ids; the text itself is never held back for this. Concatenated, the
+    deltas' text and ids are the Finished text and ids.
     """
 
     def __init__(self, tokenizer: Any, stop: Sequence[str]):
@@ -582,8 +615,9 @@ class _Output:
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = []
         self.text = ""  # all text released so far
-        self._pending_ids: list[int] = []
+        self._pending_ids: list[int] = []  # ids whose text is out of the detokenizer: next delta's
         self._pending_draft: list[bool] = []
+        self._held: list[tuple[int, bool]] = []  # ids whose text the detokenizer still holds
         self._raw = ""  # detokenized text not yet released
         self._flushed = False  # the detokenizer was finalized
         self.reason = ""
@@ -598,10 +632,12 @@ class _Output:
                 return True
             self.ids.append(tok)
             self.drafted += fd
-            self._pending_ids.append(tok)
-            self._pending_draft.append(fd)
+            self._held.append((tok, fd))
             self.detok.add_token(tok)
-            self._raw += self.detok.last_segment
+            segment = self.detok.last_segment
+            if segment:  # the detokenizer let go of the text of every id it held
+                self._raw += segment
+                self._release_held()
             if self.stop and self._cut_at_stop():
                 self.reason = "stop"
                 self.stopped_by_string = True
@@ -623,6 +659,11 @@ class _Output:
                 return True
         return False
 
+    def _release_held(self) -> None:
+        self._pending_ids.extend(t for t, _ in self._held)
+        self._pending_draft.extend(d for _, d in self._held)
+        self._held = []
+
     def drain(self, final: bool = False) -> Iterator[TokenDelta]:
         """This cycle's delta. At the end (a finish reason set, or `final`) the detokenizer is
         flushed into it and everything held back is released."""
@@ -632,6 +673,7 @@ class _Output:
             self.detok.finalize()
             if not self.stopped_by_string:
                 self._raw += self.detok.last_segment
+            self._release_held()  # the flush's ids travel with it
         release = self._raw if (ending or not self.stop) else self._raw[: len(self._raw) - self.hold]
         if release or self._pending_ids:
             self._raw = self._raw[len(release) :]

@@ -1,10 +1,12 @@
 """Sampling: the distribution transforms and the speculative acceptance rule, in one place.
 
 The target's distribution p and the draft's q are the same transform of their logits, with
-mlx-lm's semantics (`make_sampler(temp, top_p=..., top_k=...)`): on the untempered log-probs,
-top-p keeps the most likely tokens until their mass reaches top_p (every token tied with the
-last one kept stays), then top-k keeps the k most likely (ties at the k-th place: the lower ids),
-then the temperature scales what is left. Computed in float32.
+mlx-lm's semantics (`make_sampler(temp, top_p=..., min_p=..., top_k=...)`): on the untempered
+log-probs, top-p keeps the most likely tokens until their mass reaches top_p (every token tied
+with the last one kept stays), then min-p keeps the tokens at least min_p times as likely as the
+most likely one, then top-k keeps the k most likely (ties at the k-th place: the lower ids), then
+the temperature scales what is left. Computed in float32. Logits processors (penalties, logit
+bias: engine/processors.py) run before all of this, on the raw logits, as in mlx-lm.
 
 Acceptance is standard speculative sampling, exact whatever the draft: draft x_i is kept with
 probability min(1, p_i(x_i) / q_i(x_i)); the first rejected position j emits a draw from
@@ -24,21 +26,25 @@ import mlx.core as mx
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy (top_p / top_k then change nothing); seed None draws one."""
+    """temperature 0 is greedy (top_p / top_k / min_p then change nothing); seed None draws one.
+    min_p 0 is off (appended last: positional callers keep their meaning)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
-        t, p, k, s = self.temperature, self.top_p, self.top_k, self.seed
+        t, p, k, s, m = self.temperature, self.top_p, self.top_k, self.seed, self.min_p
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0: off), got {k!r}")
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0: off), got {m!r}")
         if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**64):
             raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {s!r}")
 
@@ -82,6 +88,13 @@ def top_p_mask(logprobs: mx.array, top_p: float) -> mx.array:
     return logprobs >= lowest_kept
 
 
+def min_p_mask(logprobs: mx.array, min_p: float) -> mx.array:
+    """Keep (True) the tokens at least min_p times as likely as the most likely one (its ties
+    included, so at least one token stays)."""
+    top = logprobs.max(axis=-1, keepdims=True)
+    return logprobs >= top + math.log(min_p)
+
+
 def top_k_mask(logprobs: mx.array, top_k: int) -> mx.array:
     """Keep (True) exactly the k most likely tokens; ties at the k-th place go to the lower ids."""
     kth = mx.topk(logprobs, top_k, axis=-1).min(axis=-1, keepdims=True)
@@ -92,11 +105,13 @@ def top_k_mask(logprobs: mx.array, top_k: int) -> mx.array:
 
 
 def filter_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
-    """Log-probs (float32) with the tokens outside top-p, then top-k, set to -inf."""
+    """Log-probs (float32) with the tokens outside top-p, then min-p, then top-k, set to -inf."""
     x = logits.astype(mx.float32)
     lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
     if params.top_p < 1.0:
         lp = mx.where(top_p_mask(lp, params.top_p), lp, -mx.inf)
+    if params.min_p > 0:
+        lp = mx.where(min_p_mask(lp, params.min_p), lp, -mx.inf)
     if 0 < params.top_k < lp.shape[-1]:
         lp = mx.where(top_k_mask(lp, params.top_k), lp, -mx.inf)
     return lp
@@ -107,9 +122,14 @@ def scaled_logits(logits: mx.array, params: SamplingParams) -> mx.array:
     temperature. Not normalised when nothing is filtered (softmax does not need it): a plain
     decode step then costs what mlx-lm's sampler does, not a log-softmax more."""
     x = logits.astype(mx.float32)
-    if params.top_p < 1.0 or 0 < params.top_k < x.shape[-1]:
+    if filters(params, x.shape[-1]):
         x = filter_logprobs(x, params)
     return x * (1.0 / params.temperature)
+
+
+def filters(params: SamplingParams, vocab: int) -> bool:
+    """Whether top-p, min-p or top-k removes anything (else the scaled logits need no log-softmax)."""
+    return params.top_p < 1.0 or params.min_p > 0 or 0 < params.top_k < vocab
 
 
 def probs(logits: mx.array, params: SamplingParams) -> mx.array:

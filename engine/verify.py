@@ -1,7 +1,9 @@
 """The verify step: the target scores a whole block in one pass; acceptance on device.
 
 Greedy (no sampling params): a draft is kept while it equals the target's argmax. Sampling:
-speculative sampling (engine/sampling.py), exact for any draft. Either way acceptance is MLX
+speculative sampling (engine/sampling.py), exact for any draft. Logits processors (penalties,
+logit bias: engine/processors.py) run on the block's logits first, each row with the history
+the target alone would have had there, so both rules judge the drafts by the processed logits. Either way acceptance is MLX
 ops, so the cycle needs a single host read (the summary array: accepted count + the emitted
 ids) and nothing scales with the vocabulary in Python.
 
@@ -14,7 +16,7 @@ to the caller the cycle looks like one verify of that row.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 
@@ -59,6 +61,7 @@ def verify(
     key: mx.array | None = None,
     q: mx.array | None = None,
     forced: mx.array | None = None,
+    process: Callable[[mx.array, mx.array], mx.array] | None = None,
 ) -> Verified:
     """Run the target once over [anchor, drafts...] and queue acceptance; does not sync.
 
@@ -67,6 +70,8 @@ def verify(
     Greedy drafts [R, k-1] with R > 1: see `verify_rows`. `forced` (k,), greedy only: where
     >= 0, a teacher's ids stand in for the target's choices (generate.py's `teacher`: timing
     runs on a fixed text; the target's pass and argmax still run, so the cost is a real cycle's).
+    `process(logits (k, V), block (k,))`: the logits processors, bound to the history before the
+    anchor (engine/processors.py); one draft row only.
     """
     if forced is not None and sampling is not None:  # before the pass: the caches stay as they were
         raise ValueError("a teacher's ids stand in for greedy choices only")
@@ -74,6 +79,8 @@ def verify(
         if sampling is not None or record_tape:
             raise ValueError("several draft rows are verified greedily over KV caches only")
         if drafts.shape[0] > 1:
+            if process is not None:
+                raise ValueError("several draft rows are verified without logits processors")
             return verify_rows(target, caches, anchor, drafts, forced)
         drafts = drafts[0]
     plain = drafts.shape[0] == 0  # a plain decode step: nothing to accept, no ops spent on it
@@ -83,15 +90,16 @@ def verify(
     tp = tape_mod.Tape() if record_tape else None
     with tape_mod.recording(tp):
         logits, features = target.forward(block, caches, eager=not plain)
+    logits = logits[0] if process is None else process(logits[0], block[0])
     accepted = mx.array(0, mx.int32)  # what a plain step accepts
     if sampling is None:
-        tokens = taught(mx.argmax(logits[0], axis=-1).astype(mx.int32), forced)
+        tokens = taught(mx.argmax(logits, axis=-1).astype(mx.int32), forced)
         if not plain:
             accepted = greedy_accept(drafts, tokens)
     elif plain:  # one draw from p
-        tokens = sampling_mod.sample(logits[0], sampling, key)
+        tokens = sampling_mod.sample(logits, sampling, key)
     else:
-        p = sampling_mod.probs(logits[0], sampling)
+        p = sampling_mod.probs(logits, sampling)
         accepted, tokens = sampling_mod.accept(p, drafts, q, key)
     summary = mx.concatenate([accepted.reshape(1).astype(mx.int32), tokens])
     mx.async_eval(summary, features)

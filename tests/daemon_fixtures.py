@@ -144,7 +144,9 @@ def reference(tiny_pair: tuple[str, str], prompt, max_tokens: int, **kw) -> tupl
     pair = _REF_PAIR[tiny_pair]
     ids = prompt if prompt and isinstance(prompt[0], int) else build_prompt(pair.tokenizer, prompt, system=kw.get("system"))
     # sampling (and the window, which a seed needs fixed to repeat its ids) as the worker passes them
-    extra = {k: kw[k] for k in ("temperature", "top_p", "top_k", "seed", "verify_window") if k in kw}
+    extra = {k: kw[k] for k in ("temperature", "top_p", "top_k", "seed", "min_p", "verify_window", "logit_bias",
+                                "repetition_penalty", "repetition_context_size", "presence_penalty",
+                                "presence_context_size", "frequency_penalty", "frequency_context_size") if k in kw}
     for ev in stream_dflash_generate(pair.target, pair.drafter, pair.tokenizer, ids, max_tokens, stop=kw.get("stop", ()),
                                      **extra):
         if isinstance(ev, Finished):

@@ -209,7 +209,7 @@ def test_chat_template_kwargs_reach_the_template(gw, tok):
 
 
 SAMPLED = dict(temperature=0.9, top_p=0.95, seed=7)  # + top_k 40, an extra field (vLLM's)
-APPLIED = {"temperature": 0.9, "top_p": 0.95, "top_k": 40, "seed": 7}
+APPLIED = {"temperature": 0.9, "top_p": 0.95, "top_k": 40, "seed": 7, "min_p": 0.0}
 
 
 def test_sampling_is_applied(gw, pair, tok):
@@ -235,23 +235,54 @@ def test_sampling_is_applied(gw, pair, tok):
     done = c.completions.create(model="tiny-chat", prompt=ids, max_tokens=10, temperature=0.7, seed=3,
                                 extra_body={"top_k": -1})
     assert done.choices[0].text == text and done.model_extra["dflash"]["sampling"]["top_k"] == 0
+    # min_p (vLLM's extra field) is applied as mlx-lm's make_sampler(min_p=...) applies it
+    text = reference(pair, ids, 10, temperature=1.5, min_p=0.2, seed=3, verify_window="full")[0]
+    assert text != reference(pair, ids, 10, temperature=1.5, seed=3, verify_window="full")[0]
+    raw = c.completions.with_raw_response.create(model="tiny-chat", prompt=ids, max_tokens=10, temperature=1.5,
+                                                 seed=3, extra_body={"min_p": 0.2})
+    done = raw.parse()
+    assert done.choices[0].text == text and done.model_extra["dflash"]["sampling"]["min_p"] == 0.2
+    assert "x-dflash-sampling-ignored" not in raw.headers
 
 
-def test_unapplied_sampling_fields_are_named(gw, pair):
+def test_penalties_and_logit_bias_are_applied(gw, pair):
+    """OpenAI's logit_bias / presence_penalty / frequency_penalty, vLLM's repetition_penalty and
+    mlx-lm server's context sizes reach the engine: greedy and sampled answers equal the
+    in-process engine's with them, and nothing is listed as ignored."""
     c = gw.openai()
-    want = reference(pair, MSGS, 8, **APPLIED, verify_window="full")[0]
-    raw = c.chat.completions.with_raw_response.create(
-        model="tiny-chat", messages=MSGS, max_tokens=8, **SAMPLED, presence_penalty=0.5, frequency_penalty=0,
-        logit_bias={"5": 2}, extra_body={"top_k": 40, "min_p": 0.0, "repetition_penalty": 1.1})
-    assert raw.headers["x-dflash-sampling-ignored"] == "presence_penalty,repetition_penalty,logit_bias"
-    assert raw.parse().choices[0].message.content == want  # the applied ones still are
+    procs = dict(presence_penalty=1.5, frequency_penalty=0, logit_bias={"5": 8})
+    extra = {"repetition_penalty": 1.6, "repetition_context_size": 30}
+    greedy = reference(pair, MSGS, 12)[0]
+    want = reference(pair, MSGS, 12, **procs, **extra)[0]
+    assert want != greedy
+    raw = c.chat.completions.with_raw_response.create(model="tiny-chat", messages=MSGS, max_tokens=12, **procs,
+                                                      extra_body=extra)
+    assert raw.parse().choices[0].message.content == want
+    assert "x-dflash-sampling-ignored" not in raw.headers
+    sampling = raw.parse().model_extra["dflash"]["sampling"]
+    assert sampling["presence_penalty"] == 1.5 and sampling["logit_bias"] == {"5": 8.0}
+    assert "frequency_penalty" not in sampling  # 0: off
+    sampled = reference(pair, MSGS, 8, **APPLIED, **procs, **extra, verify_window="full")[0]
+    r = c.chat.completions.create(model="tiny-chat", messages=MSGS, max_tokens=8, **SAMPLED, **procs,
+                                  extra_body={"top_k": 40, **extra})
+    assert r.choices[0].message.content == sampled
+    for body, code, param in [({"logit_bias": {"x": 1}}, "invalid_value", "logit_bias"),
+                              ({"logit_bias": {"5": 101}}, "invalid_value", "logit_bias"),
+                              ({"logit_bias": {"99999999": 1}}, "bad_sampling", "logit_bias"),  # past the vocabulary
+                              ({"repetition_context_size": 0}, "invalid_value", "repetition_context_size"),
+                              ({"presence_context_size": "5"}, "invalid_type", "presence_context_size")]:
+        status, _, out = gw.http("POST", "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2, **body})
+        err = _error(status, out)
+        assert (status, err["code"], err["param"]) == (400, code, param), (body, err)
 
 
 def test_bad_sampling_values_in_openai_shape(gw):
     cases = [({"temperature": -1}, "invalid_value", "temperature"), ({"temperature": "hot"}, "invalid_type", "temperature"),
              ({"top_p": 0}, "invalid_value", "top_p"), ({"top_p": 1.5}, "invalid_value", "top_p"),
              ({"top_k": -2}, "invalid_value", "top_k"), ({"top_k": 2.5}, "invalid_type", "top_k"),
-             ({"seed": -3}, "invalid_value", "seed"), ({"seed": "7"}, "invalid_type", "seed")]
+             ({"seed": -3}, "invalid_value", "seed"), ({"seed": "7"}, "invalid_type", "seed"),
+             ({"min_p": -0.1}, "invalid_value", "min_p"), ({"min_p": 1.5}, "invalid_value", "min_p"),
+             ({"min_p": "0.1"}, "invalid_type", "min_p")]
     for extra, code, param in cases:
         status, _, body = gw.http("POST", "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2, **extra})
         err = _error(status, body)
@@ -290,21 +321,22 @@ def test_sampling_policies_and_server_defaults(daemon, pair):
         s = strict.openai(key="unused")  # no --api-key: no auth
         r = s.chat.completions.create(model="tiny-chat", messages=MSGS, max_tokens=8, seed=5)  # no temperature
         assert r.choices[0].message.content == want
-        assert r.model_extra["dflash"]["sampling"] == {"temperature": 0.8, "top_p": 1.0, "top_k": 20, "seed": 5}
+        assert r.model_extra["dflash"]["sampling"] == {"temperature": 0.8, "top_p": 1.0, "top_k": 20, "seed": 5,
+                                                       "min_p": 0.0}
         ok = s.chat.completions.create(model="tiny-chat", messages=MSGS, max_tokens=8, temperature=0)
         assert ok.choices[0].message.content == greedy  # the request's own value wins
-        with pytest.raises(openai.BadRequestError) as e:
-            s.chat.completions.create(model="tiny-chat", messages=MSGS, max_tokens=4, frequency_penalty=0.3)
-        assert e.value.status_code == 400 and e.value.body["param"] == "frequency_penalty"
-        assert e.value.body["code"] == "unsupported_sampling"
+        # every field is applied now, so `reject` refuses none of them
+        r = s.chat.completions.create(model="tiny-chat", messages=MSGS, max_tokens=4, frequency_penalty=0.3)
+        assert r.model_extra["dflash"]["sampling"]["frequency_penalty"] == 0.3
     finally:
         strict.stop()
     forced = Gateway(daemon, "--sampling", "greedy")
     try:
         raw = forced.openai(key="unused").chat.completions.with_raw_response.create(
-            model="tiny-chat", messages=MSGS, max_tokens=8, **SAMPLED, presence_penalty=1.0)
-        assert raw.parse().choices[0].message.content == greedy
-        assert raw.headers["x-dflash-sampling-ignored"] == "temperature,top_p,presence_penalty"
+            model="tiny-chat", messages=MSGS, max_tokens=8, **SAMPLED, presence_penalty=1.0, extra_body={"min_p": 0.1})
+        # greedy, the processors still applied (they are deterministic)
+        assert raw.parse().choices[0].message.content == reference(pair, MSGS, 8, presence_penalty=1.0)[0]
+        assert raw.headers["x-dflash-sampling-ignored"] == "temperature,top_p,min_p"
     finally:
         forced.stop()
 

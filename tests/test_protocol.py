@@ -153,7 +153,7 @@ def test_sampling_fields_are_appended_and_travel():
     assert names[:len(V1_SUBMIT) + 4] == V1_SUBMIT + ["temperature", "top_p", "top_k", "seed"]
     sub = P.Submit(rid=1, text="hi", temperature=0.7, top_p=0.9, top_k=40, seed=(1 << 64) - 1)
     wire = P.to_map(sub)
-    assert list(wire)[-5:-1] == ["temperature", "top_p", "top_k", "seed"]
+    assert list(wire)[2 + len(V1_SUBMIT):][:4] == ["temperature", "top_p", "top_k", "seed"]  # after v, op
     assert codec.decode_request(codec.encode(sub)) == sub
     assert codec.decode_request(codec.encode(P.Submit(text="x", temperature=1))).temperature == 1  # int ok
 
@@ -165,7 +165,8 @@ def test_sampling_rules():
     for kw, param in [({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
                       ({"temperature": float("inf")}, "temperature"), ({"top_p": 0}, "top_p"),
                       ({"top_p": 1.01}, "top_p"), ({"top_k": -1}, "top_k"), ({"top_k": True}, "top_k"),
-                      ({"seed": -1}, "seed"), ({"seed": 1 << 64}, "seed"), ({"seed": 1.0}, "seed")]:
+                      ({"seed": -1}, "seed"), ({"seed": 1 << 64}, "seed"), ({"seed": 1.0}, "seed"),
+                      ({"min_p": -0.5}, "min_p"), ({"min_p": 2}, "min_p"), ({"min_p": True}, "min_p")]:
         with pytest.raises(P.ProtocolError) as e:
             P.check_sampling(**kw)
         assert (e.value.code, e.value.param) == (P.BAD_SAMPLING, param) and param in e.value.message
@@ -175,14 +176,65 @@ def test_sampling_rules():
 
 
 def test_verify_window_is_appended_and_travels():
-    assert P.VERSION == 3 and P.OLDER_VERSIONS == (1, 2)
     names = [f.name for f in dataclasses.fields(P.Submit)]
-    assert names == V1_SUBMIT + ["temperature", "top_p", "top_k", "seed", "verify_window"]
+    assert names[:len(V1_SUBMIT) + 5] == V1_SUBMIT + ["temperature", "top_p", "top_k", "seed", "verify_window"]
     for window in ("auto", "full", 1, 16, None):
         sub = P.Submit(rid=2, text="hi", verify_window=window)
         P.check_submit(sub)
-        assert list(P.to_map(sub))[-1] == "verify_window"
+        assert list(P.to_map(sub))[len(V1_SUBMIT) + 6] == "verify_window"  # after v, op
         assert codec.decode_request(codec.encode(sub)) == sub
+
+
+# ----------------------------------------------------------------------------- version 4: min_p
+
+
+def test_min_p_is_appended_and_travels():
+    assert P.VERSION == 4 and P.OLDER_VERSIONS == (1, 2, 3)
+    names = [f.name for f in dataclasses.fields(P.Submit)]
+    assert names == V1_SUBMIT + ["temperature", "top_p", "top_k", "seed", "verify_window", "min_p",
+                                 *P.PROCESSOR_FIELDS]
+    for value in (None, 0, 0.05, 1.0):
+        sub = P.Submit(rid=4, text="hi", min_p=value)
+        P.check_submit(sub)
+        assert list(P.to_map(sub))[len(V1_SUBMIT) + 7] == "min_p"
+        assert codec.decode_request(codec.encode(sub)) == sub
+    for bad in (-0.01, 1.5, float("nan"), float("inf")):
+        with pytest.raises(P.ProtocolError) as e:
+            P.check_submit(P.Submit(text="hi", min_p=bad))
+        assert (e.value.code, e.value.param) == (P.BAD_SAMPLING, "min_p") and "min_p must be in [0, 1]" in e.value.message
+    with pytest.raises(P.ProtocolError) as e:  # the wrong wire type: the type check, naming the field
+        P.parse_request({"v": P.VERSION, "op": "submit", "text": "hi", "min_p": "0.1"})
+    assert (e.value.code, e.value.param) == (P.BAD_REQUEST, "min_p")
+    # a version-3 peer's error keeps `param` (it was appended in 3); versions 1 and 2 never had it
+    assert list(P.to_map(P.Error(rid=1, param="x"), version=3))[-1] == "param"
+    assert "param" not in P.to_map(P.Error(rid=1, param="x"), version=2)
+
+
+def test_processors_travel_and_are_checked():
+    sub = P.Submit(rid=5, text="hi", logit_bias={"7": -100.0, "12": 2}, repetition_penalty=1.3,
+                   repetition_context_size=64, presence_penalty=-0.5, presence_context_size=1,
+                   frequency_penalty=0.25, frequency_context_size=20)
+    P.check_submit(sub)
+    assert codec.decode_request(codec.encode(sub)) == sub
+    for kw, param in [({"logit_bias": {"-1": 1.0}}, "logit_bias"), ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+                      ({"logit_bias": {"5": float("nan")}}, "logit_bias"), ({"logit_bias": {"5": "1"}}, "logit_bias"),
+                      ({"logit_bias": {"1" * 21: 1.0}}, "logit_bias"),
+                      ({"repetition_penalty": 0.0}, "repetition_penalty"),
+                      ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+                      ({"presence_penalty": float("nan")}, "presence_penalty"),
+                      ({"frequency_penalty": float("-inf")}, "frequency_penalty"),
+                      ({"repetition_context_size": 0}, "repetition_context_size"),
+                      ({"presence_context_size": -5}, "presence_context_size")]:
+        with pytest.raises(P.ProtocolError) as e:
+            P.check_submit(P.Submit(text="hi", **kw))
+        assert (e.value.code, e.value.param) == (P.BAD_SAMPLING, param) and param in e.value.message, kw
+    for bad in ({"logit_bias": [1, 2]}, {"repetition_penalty": "1.1"}, {"frequency_context_size": 2.5}):
+        with pytest.raises(P.ProtocolError) as e:  # the wrong wire type: bad_request naming the field
+            P.parse_request({"v": P.VERSION, "op": "submit", "text": "hi", **bad})
+        assert (e.value.code, e.value.param) == (P.BAD_REQUEST, next(iter(bad)))
+    with pytest.raises(P.ProtocolError) as e:  # int map keys cannot even be decoded (strict_map_key)
+        codec.decode_request(msgpack.packb({"v": P.VERSION, "op": "submit", "text": "hi", "logit_bias": {5: 1.0}}))
+    assert e.value.code == P.BAD_FRAME
 
 
 def test_verify_window_rules():
@@ -227,10 +279,17 @@ def test_generation_defaults_in_config(tmp_path):
     d.write_text('[daemon]\nmodel = "/m"\n[generation]\ntop_k = 3\n')
     assert load_config(d, env={}).top_k == 3
     assert DaemonConfig().temperature == 0.0 and DaemonConfig().seed is None  # greedy by default
+    m = tmp_path / "m.toml"  # min_p (version 4) is a [generation] default too
+    m.write_text("[generation]\nmin_p = 0.1\nrepetition_penalty = 1.2\nfrequency_context_size = 40\n")
+    got = load_config(m, env={})
+    assert (got.min_p, got.repetition_penalty, got.frequency_context_size) == (0.1, 1.2, 40)
+    assert DaemonConfig().min_p == 0.0 and DaemonConfig().repetition_penalty == 1.0  # off by default
+    assert load_config(None, env={"DFLASH_MIN_P": "0.05"}).min_p == 0.05
     bad = tmp_path / "bad.toml"
-    bad.write_text("[generation]\nmin_p = 0.1\n")
+    bad.write_text("[generation]\ntypical_p = 0.9\n")
     with pytest.raises(ValueError, match=r"\[generation\] takes only"):
         load_config(bad, env={})
-    for setting in ({"temperature": -1.0}, {"top_p": 0.0}, {"top_k": -2}, {"verify_window": "wide"}):
+    for setting in ({"temperature": -1.0}, {"top_p": 0.0}, {"top_k": -2}, {"verify_window": "wide"},
+                    {"min_p": 1.5}, {"min_p": -0.1}, {"repetition_penalty": 0.0}, {"presence_context_size": 0}):
         with pytest.raises(ValueError):
             dataclasses.replace(DaemonConfig(), **setting).validate()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_sampler
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
 from dflash.engine import sampling
 from dflash.engine.drafters import OracleDrafter
@@ -49,6 +49,16 @@ def test_top_k_mask_equals_mlx_lm(top_k):
     assert mx.array_equal(kept(ours), kept(theirs))
 
 
+@pytest.mark.parametrize("min_p", [0.001, 0.05, 0.2, 0.5, 0.9, 1.0])
+def test_min_p_mask_equals_mlx_lm(min_p):
+    lp = _logprobs(_random_logits(5))
+    ours = sampling.min_p_mask(lp, min_p)
+    assert mx.array_equal(ours, mx.isfinite(apply_min_p(lp, min_p)))
+    assert ours.sum(axis=-1).min().item() >= 1  # the most likely token (and its ties) always stays
+    if min_p == 1.0:  # only the maximum and its ties
+        assert mx.array_equal(ours, lp == lp.max(axis=-1, keepdims=True))
+
+
 def test_top_k_ties_go_to_lower_ids_and_large_k_is_off():
     lp = _logprobs(mx.array([[0.0, 1.0, 1.0, 1.0, 2.0, 1.0]]))
     assert sampling.top_k_mask(lp, 3).tolist() == [[False, True, True, False, True, False]]
@@ -57,33 +67,39 @@ def test_top_k_ties_go_to_lower_ids_and_large_k_is_off():
 
 
 @pytest.mark.parametrize(
-    "temperature,top_p,top_k",
-    [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 20), (0.5, 0.8, 5), (1.0, 0.3, 2)],
+    "temperature,top_p,top_k,min_p",
+    [(1.0, 1.0, 0, 0.0), (0.7, 0.9, 0, 0.0), (1.3, 1.0, 20, 0.0), (0.5, 0.8, 5, 0.0), (1.0, 0.3, 2, 0.0),
+     (1.0, 1.0, 0, 0.1), (0.7, 0.9, 0, 0.05), (1.3, 1.0, 20, 0.3), (0.5, 0.95, 5, 0.02), (1.0, 1.0, 0, 1.0)],
 )
-def test_probs_equal_mlx_lm_chain(temperature, top_p, top_k):
-    """p = softmax((top-k(top-p(logprobs))) / temperature), the chain make_sampler applies."""
+def test_probs_equal_mlx_lm_chain(temperature, top_p, top_k, min_p):
+    """p = softmax(top-k(min-p(top-p(logprobs))) / temperature), the chain make_sampler applies."""
     logits = _random_logits(2)
     lp = _logprobs(logits)
     if top_p < 1:
         lp = apply_top_p(lp, top_p)
+    if min_p:
+        lp = apply_min_p(lp, min_p)
     if top_k:
         lp = apply_top_k(lp, top_k)
     theirs = mx.softmax(lp * (1.0 / temperature), axis=-1)
-    ours = sampling.probs(logits, SamplingParams(temperature, top_p, top_k))
+    ours = sampling.probs(logits, SamplingParams(temperature, top_p, top_k, min_p=min_p))
     assert mx.allclose(ours, theirs, atol=1e-6).item()
     assert mx.array_equal(ours > 0, theirs > 0)
 
 
-def test_make_sampler_draws_from_our_probs():
+@pytest.mark.parametrize("min_p", [0.0, 0.3])
+def test_make_sampler_draws_from_our_probs(min_p):
     """mlx-lm's own sampler, drawn 200k times, matches our p (chi-square, pooled cells)."""
     from test_sampling_dist import assert_same_distribution
 
     logits = mx.random.normal((1, 40), key=mx.random.key(3)) * 2
-    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=12)
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=12, min_p=min_p)
     p = np.array(sampling.probs(logits, params)[0])
+    if min_p:
+        assert 0 < (p > 0).sum() < 12  # min-p removes tokens top-p and top-k keep
     mx.random.seed(4)
     n = 200_000
-    draws = make_sampler(0.7, top_p=0.9, top_k=12)(mx.broadcast_to(_logprobs(logits), (n, 40)))
+    draws = make_sampler(0.7, top_p=0.9, min_p=min_p, top_k=12)(mx.broadcast_to(_logprobs(logits), (n, 40)))
     counts = np.bincount(np.array(draws), minlength=40)
     exact = {(i,): float(v) for i, v in enumerate(p)}
     assert_same_distribution({(i,): int(c) for i, c in enumerate(counts)}, exact, n)
@@ -99,6 +115,9 @@ def test_make_sampler_draws_from_our_probs():
         (dict(top_k=-1), "top_k"),
         (dict(top_k=2.5), "top_k"),
         (dict(seed=-3), "seed"),
+        (dict(min_p=-0.1), "min_p"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(min_p=float("nan")), "min_p"),
     ],
 )
 def test_bad_parameters_raise(pairs, kwargs, match):
@@ -126,7 +145,7 @@ def test_greedy_path_untouched(pairs, monkeypatch):
     monkeypatch.setattr("dflash.engine.generate.KeyChain", boom)
     final, _ = run_dflash(
         pair.target, pair.drafter, pair.tokenizer, ids, 40, verify_window=4,
-        temperature=0.0, top_p=0.5, top_k=3, seed=7,
+        temperature=0.0, top_p=0.5, top_k=3, seed=7, min_p=0.3,
     )
     assert final.token_ids == base.token_ids == ref
     keys = ("cycles", "accepted_drafts", "accept_histogram", "plain_steps", "mean_verify_window")

@@ -282,13 +282,26 @@ def sharpen(target: Any, ids: list[int], params: SamplingParams, entropy: float 
 
 
 def engine_exact(
-    sharp: Sharp, ids: list[int], params: SamplingParams, n: int
+    sharp: Sharp, ids: list[int], params: SamplingParams, n: int, **processors: Any
 ) -> dict[tuple, float]:
-    """p(t1) p(t2|t1) p(t3|t1,t2) for every prefix that can reach an expected count of 5."""
+    """p(t1) p(t2|t1) p(t3|t1,t2) for every prefix that can reach an expected count of 5; with
+    `processors`, mlx-lm's own (make_logits_processors) on each prefix's logits and history."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    procs = make_logits_processors(**processors) if processors else []
     probs = {(): 1.0}
     for _ in range(NEW):
         live = [c for c, pr in probs.items() if n * pr >= MIN_EXPECTED]
-        dist = np.array(sampling.probs(sharp.last_logits([ids + list(c) for c in live]), params))
+        logits = sharp.last_logits([ids + list(c) for c in live])
+        if procs:
+            rows = []
+            for i, c in enumerate(live):
+                row = logits[i : i + 1]
+                for proc in procs:
+                    row = proc(mx.array(ids + list(c)), row)
+                rows.append(row)
+            logits = mx.concatenate(rows)
+        dist = np.array(sampling.probs(logits, params))
         probs = {
             c + (x,): probs[c] * float(dist[i, x])
             for i, c in enumerate(live)
@@ -341,7 +354,7 @@ class SelfDrafter:
 
 def engine_counts(
     pair: Any, sharp: Sharp, make_drafter: Callable[[], Any], ids: list[int],
-    params: SamplingParams, n: int, window: int | str = 3,
+    params: SamplingParams, n: int, window: int | str = 3, **processors: Any,
 ) -> dict[tuple, int]:
     """Counts of the first NEW ids over n seeded runs (the prompt restored from a prefix cache
     after the first run: a whole-prompt hit samples t1 from the stored logits, no prefill)."""
@@ -353,7 +366,7 @@ def engine_counts(
             *_, final = stream_dflash_generate(
                 sharp, make_drafter(), pair.tokenizer, ids, NEW, verify_window=window,
                 temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=seed,
-                prefix_cache=cache,
+                min_p=params.min_p, prefix_cache=cache, **processors,
             )
             assert len(final.token_ids) == NEW
             counts[tuple(final.token_ids)] += 1
@@ -456,6 +469,85 @@ def test_engine_wrong_samplers_are_rejected(pairs, monkeypatch):
         counts = engine_counts(pair, sharp, lambda: pair.drafter, ids, params, n)
     r = assert_rejected(counts, engine_exact(sharp, ids, params, n), n)
     print("engine, temperature 1.1:", r)
+
+
+@pytest.mark.parametrize("arch", sorted(RUNS_RANDOM_DRAFT))
+@pytest.mark.parametrize("draft", ["random", "good"])
+def test_engine_exact_min_p(pairs, arch, draft):
+    """min-p (mlx-lm's make_sampler(min_p=...)): p keeps the tokens at least 0.1 times as likely as
+    the first; the draft's q is filtered the same way (the good draft) or left flat (random)."""
+    params = SamplingParams(temperature=1.0, min_p=0.1)
+    pair, sharp, ids = _setup(pairs, arch, replace(params, min_p=0.0))  # 1.3 nats before the cut
+    make = (lambda: pair.drafter) if draft == "random" else _self_drafter(sharp, ids)
+    n = 500
+    exact = engine_exact(sharp, ids, params, n)
+    counts = engine_counts(pair, sharp, make, ids, params, n)
+    print(arch, draft, assert_same_distribution(counts, exact, n))
+
+
+def test_engine_min_p_ignored_is_rejected(pairs):
+    """Power: a sampler that leaves min-p out (qwen3, n=500) is caught by the same test."""
+    params = SamplingParams(temperature=1.0, min_p=0.1)
+    pair, sharp, ids = _setup(pairs, "qwen3", replace(params, min_p=0.0))
+    n = 500
+    counts = engine_counts(pair, sharp, lambda: pair.drafter, ids, replace(params, min_p=0.0), n)
+    print("engine, min_p ignored:", assert_rejected(counts, engine_exact(sharp, ids, params, n), n))
+
+
+# Negative penalties (mlx-lm takes any value; repetition < 1 boosts): the history's tokens become
+# likely, so each drawn token (a kept draft too) reshapes the next rows' law, and the law moves
+# far enough from the unprocessed one for the power check to see it.
+PENALTIES = dict(repetition_penalty=0.6, presence_penalty=-1.0, frequency_penalty=-0.5, frequency_context_size=8)
+
+
+@pytest.mark.parametrize("arch", sorted(RUNS_RANDOM_DRAFT))
+@pytest.mark.parametrize("draft", ["random", "good"])
+def test_engine_exact_with_penalties(pairs, arch, draft):
+    """Penalties and a logit bias (mlx-lm's make_logits_processors) under sampling: the target's
+    processed distribution, with the random draft (rejections) and a good one (kept drafts,
+    each later row penalised for them)."""
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    pair, sharp, ids = _setup(pairs, arch, params)
+    top = int(mx.argmax(sharp.last_logits([ids])[0]).item())
+    procs = {**PENALTIES, "logit_bias": {top: -1.0}}
+    make = (lambda: pair.drafter) if draft == "random" else _self_drafter(sharp, ids)
+    n = 500
+    exact = engine_exact(sharp, ids, params, n, **procs)
+    assert exact != engine_exact(sharp, ids, params, n)  # the processors change the law
+    counts = engine_counts(pair, sharp, make, ids, params, n, **procs)
+    print(arch, draft, assert_same_distribution(counts, exact, n))
+
+
+def test_engine_penalties_ignored_are_rejected(pairs):
+    """Power: the engine without the penalties, against the penalised law (qwen3, n=500)."""
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    pair, sharp, ids = _setup(pairs, "qwen3", params)
+    n = 500
+    counts = engine_counts(pair, sharp, _self_drafter(sharp, ids), ids, params, n)
+    r = assert_rejected(counts, engine_exact(sharp, ids, params, n, **PENALTIES), n)
+    print("engine, penalties ignored:", r)
+
+
+def test_engine_draft_history_left_out_is_rejected(pairs, monkeypatch):
+    """Power: every row of a block processed with the history before the block alone (the drafts
+    before a row left out of its window), with the good draft whose drafts are mostly kept
+    (qwen3, n=500): the same test catches it."""
+    from dflash.engine.processors import LogitsProcessors
+
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    pair, sharp, ids = _setup(pairs, "qwen3", params)
+    real = LogitsProcessors.__call__
+
+    def anchor_only(self, logits, n_before, block=None):
+        if block is None:
+            return real(self, logits, n_before)
+        return real(self, logits, n_before, mx.broadcast_to(block[:1], block.shape))
+
+    monkeypatch.setattr(LogitsProcessors, "__call__", anchor_only)
+    n = 500
+    counts = engine_counts(pair, sharp, _self_drafter(sharp, ids), ids, params, n, **PENALTIES)
+    r = assert_rejected(counts, engine_exact(sharp, ids, params, n, **PENALTIES), n)
+    print("engine, drafts left out of the rows' history:", r)
 
 
 def test_engine_exact_with_cut_blocks(pairs):

@@ -47,7 +47,7 @@ def test_seeded_sampling_through_the_daemon_equals_in_process(client, tiny_pair)
     assert want != greedy  # the params do something
     first = client.generate(PROMPT, max_tokens=16, **SAMPLED)
     assert first.token_ids == want
-    assert first.stats["sampling"] == {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "seed": 11}
+    assert first.stats["sampling"] == {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "seed": 11, "min_p": 0.0}
     again = client.generate(PROMPT, max_tokens=16, **SAMPLED)  # now from the prefix cache
     assert again.token_ids == want and again.stats["cached_prompt_tokens"] > 0
     with client.stream(PROMPT, max_tokens=16, **SAMPLED) as s:
@@ -87,7 +87,8 @@ def test_bad_sampling_values_are_refused_and_the_daemon_survives(client, daemon)
     pid = client.stats()["pid"]
     for kw, field in [({"temperature": -0.5}, "temperature"), ({"temperature": float("nan")}, "temperature"),
                       ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"),
-                      ({"seed": -1}, "seed"), ({"seed": 1 << 64}, "seed")]:
+                      ({"seed": -1}, "seed"), ({"seed": 1 << 64}, "seed"), ({"min_p": -0.1}, "min_p"),
+                      ({"min_p": 1.01}, "min_p"), ({"min_p": float("nan")}, "min_p")]:
         with pytest.raises(BadRequestError) as e:
             client.generate(PROMPT, max_tokens=4, **kw)
         assert e.value.code == P.BAD_SAMPLING and field in e.value.message, (kw, e.value)
@@ -96,16 +97,64 @@ def test_bad_sampling_values_are_refused_and_the_daemon_survives(client, daemon)
     # the worker's own check, and what only a foreign client can send: wrong wire types
     for bad, code in [({"temperature": "hot"}, P.BAD_REQUEST), ({"top_k": 1.5}, P.BAD_REQUEST),
                       ({"seed": True}, P.BAD_REQUEST), ({"temperature": -1.0}, P.BAD_SAMPLING),
-                      ({"top_p": 2.0}, P.BAD_SAMPLING), ({"seed": -5}, P.BAD_SAMPLING)]:
+                      ({"top_p": 2.0}, P.BAD_SAMPLING), ({"seed": -5}, P.BAD_SAMPLING),
+                      ({"min_p": "x"}, P.BAD_REQUEST), ({"min_p": 1.5}, P.BAD_SAMPLING)]:
         reply = raw_request(daemon.endpoint, {"v": P.VERSION, "op": "submit", "rid": 5, "text": "x", **bad})
         assert (reply["type"], reply["code"], reply["rid"]) == ("error", code, 5), reply
     st = client.stats()
     assert st["pid"] == pid and st["state"] == "ready" and st["protocol"] == P.VERSION
-    assert st["generation"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "verify_window": "full"}
+    assert st["generation"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "min_p": 0.0,
+                                "repetition_penalty": 1.0, "repetition_context_size": 20, "presence_penalty": 0.0,
+                                "presence_context_size": 20, "frequency_penalty": 0.0, "frequency_context_size": 20,
+                                "verify_window": "full"}
     # the limits a client fits its requests to (the daemon fixture's config, as it runs)
     assert st["limits"] == {k: getattr(daemon.cfg, k) for k in
                             ("max_queue", "max_tokens_limit", "max_prompt_tokens", "max_frame_bytes", "max_attempts")}
     assert len(client.generate(PROMPT, max_tokens=4, **SAMPLED).token_ids) == 4  # still serving
+
+
+def test_min_p_through_the_daemon_equals_in_process(client, tiny_pair):  # noqa: F811
+    """min_p (version 4) reaches the engine: the same ids as the in-process engine with it, other
+    ids than without it, and done.stats.sampling says so."""
+    kw = {**SAMPLED, "temperature": 1.5, "top_p": 1.0, "top_k": 0, "min_p": 0.2}
+    want = reference(tiny_pair, PROMPT, 16, **kw, **FULL)[1]
+    assert want != reference(tiny_pair, PROMPT, 16, **{**kw, "min_p": 0.0}, **FULL)[1]  # it does something
+    res = client.generate(PROMPT, max_tokens=16, **kw)
+    assert res.token_ids == want and res.stats["sampling"] == kw
+
+
+PROCS = {"logit_bias": {"5": 3.0}, "repetition_penalty": 1.8, "repetition_context_size": 30,
+         "frequency_penalty": 0.6, "frequency_context_size": 20}
+
+
+def test_processors_through_the_daemon_equal_in_process(client, daemon, tiny_pair):  # noqa: F811
+    """Logits processors (version 4) reach the engine, greedy and sampled: the in-process
+    engine's ids with them, other ids than without them; stats.sampling lists those applied;
+    bad values are refused on the way in and the daemon goes on."""
+    greedy = reference(tiny_pair, PROMPT, 16)[1]
+    want = reference(tiny_pair, PROMPT, 16, **PROCS)[1]
+    assert want != greedy
+    res = client.generate(PROMPT, max_tokens=16, **{**PROCS, "logit_bias": {5: 3.0}})  # int ids are taken
+    assert res.token_ids == want and res.stats["sampling"] == {
+        "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "min_p": 0.0, **PROCS}
+    sampled = reference(tiny_pair, PROMPT, 16, **SAMPLED, **PROCS, **FULL)[1]
+    assert client.generate(PROMPT, max_tokens=16, **SAMPLED, **PROCS).token_ids == sampled
+    neutral = client.generate(PROMPT, max_tokens=16, repetition_penalty=1.0, presence_penalty=0, logit_bias={})
+    assert neutral.token_ids == greedy and "repetition_penalty" not in neutral.stats["sampling"]
+    pid = client.stats()["pid"]
+    for kw, field in [({"repetition_penalty": 0.0}, "repetition_penalty"), ({"presence_penalty": float("nan")},
+                      "presence_penalty"), ({"frequency_context_size": 0}, "frequency_context_size"),
+                      ({"logit_bias": {-3: 1.0}}, "logit_bias"), ({"logit_bias": {10**9: 1.0}}, "logit_bias")]:
+        with pytest.raises(BadRequestError) as e:
+            client.generate(PROMPT, max_tokens=4, **kw)
+        assert e.value.code == P.BAD_SAMPLING and e.value.param == field and field in e.value.message, (kw, e.value)
+    for bad, code in [({"logit_bias": {"5": "up"}}, P.BAD_SAMPLING), ({"logit_bias": [5]}, P.BAD_REQUEST),
+                      ({"repetition_penalty": -1.0}, P.BAD_SAMPLING), ({"presence_context_size": 1.5}, P.BAD_REQUEST)]:
+        reply = raw_request(daemon.endpoint, {"v": P.VERSION, "op": "submit", "rid": 6, "text": "x", **bad})
+        assert (reply["type"], reply["code"], reply["rid"]) == ("error", code, 6), reply
+    with pytest.raises(TypeError):
+        client.generate(PROMPT, max_tokens=4, logit_bias={5: "up"})
+    assert client.stats()["pid"] == pid
 
 
 def test_config_defaults_apply_when_a_request_leaves_them_unset(tiny_pair):  # noqa: F811
@@ -115,10 +164,10 @@ def test_config_defaults_apply_when_a_request_leaves_them_unset(tiny_pair):  # n
         with d.client(timeout=20) as c:
             want = reference(tiny_pair, PROMPT, 16, **SAMPLED, **FULL)[1]
             res = c.generate(PROMPT, max_tokens=16)
-            assert res.token_ids == want and res.stats["sampling"] == dict(SAMPLED)
+            assert res.token_ids == want and res.stats["sampling"] == {**SAMPLED, "min_p": 0.0}
             greedy = c.generate(PROMPT, max_tokens=16, temperature=0)  # a request's own value wins
             assert greedy.token_ids == reference(tiny_pair, PROMPT, 16)[1]
-            assert greedy.stats["sampling"] == {"temperature": 0.0, "top_p": 0.95, "top_k": 50, "seed": 11}
+            assert greedy.stats["sampling"] == {"temperature": 0.0, "top_p": 0.95, "top_k": 50, "seed": 11, "min_p": 0.0}
     finally:
         d.stop()
 
@@ -265,7 +314,22 @@ def test_dflash_client_prompt_flags(daemon, tiny_pair):  # noqa: F811
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     assert out["token_ids"] == reference(tiny_pair, PROMPT, 16, **SAMPLED, **FULL)[1]
-    assert out["stats"]["sampling"] == dict(SAMPLED)
+    assert out["stats"]["sampling"] == {**SAMPLED, "min_p": 0.0}
+    res = CliRunner().invoke(main, [*base, "--temperature", "1.5", "--min-p", "0.2", "--seed", "11", PROMPT])
+    out = json.loads(res.output)
+    assert out["token_ids"] == reference(tiny_pair, PROMPT, 16, temperature=1.5, min_p=0.2, seed=11, **FULL)[1]
+    assert out["stats"]["sampling"]["min_p"] == 0.2
+    flags = ["--logit-bias", "5=3", "--repetition-penalty", "1.8", "--repetition-context-size", "30",
+             "--frequency-penalty", "0.6"]
+    out = json.loads(CliRunner().invoke(main, [*base, *flags, PROMPT]).output)
+    assert out["token_ids"] == reference(tiny_pair, PROMPT, 16, **PROCS)[1]
+    for flags, word in [(["--logit-bias", "x=1"], "ID=BIAS"), (["--logit-bias", "5=inf"], "finite"),
+                        (["--repetition-context-size", "0"], "--repetition-context-size"),
+                        (["--presence-penalty", "nan"], "finite")]:
+        res = CliRunner().invoke(main, [*base, *flags, PROMPT])
+        assert res.exit_code == 2 and word in res.output, (flags, res.output)
+    res = CliRunner().invoke(main, [*base, "--repetition-penalty", "0", PROMPT])  # the protocol's rule
+    assert res.exit_code != 0 and "repetition_penalty must be" in res.output, res.output
     # --stats names the seed too (here drawn by the worker: what repeats the job)
     res = CliRunner().invoke(main, [*base[:-3], "--stats", "-m", "4", "--temperature", "0.8", PROMPT])
     assert res.exit_code == 0, res.output
@@ -275,7 +339,8 @@ def test_dflash_client_prompt_flags(daemon, tiny_pair):  # noqa: F811
     assert json.loads(again.output)["stats"]["sampling"]["seed"] == int(seed.group(1))
     for flags, word in [(["--temperature", "-1"], "--temperature"), (["--temperature", "inf"], "finite"),
                         (["--top-p", "0"], "--top-p"), (["--top-p", "1.5"], "--top-p"),
-                        (["--top-k", "-3"], "--top-k"), (["--seed", "-1"], "--seed")]:
+                        (["--top-k", "-3"], "--top-k"), (["--seed", "-1"], "--seed"), (["--min-p", "1.5"], "--min-p"),
+                        (["--min-p", "nan"], "finite")]:
         res = CliRunner().invoke(main, [*base, *flags, PROMPT])
         assert res.exit_code == 2 and word in res.output, (flags, res.output)
 
@@ -310,16 +375,28 @@ def test_dflash_generate_flags(tiny_pair):  # noqa: F811
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     assert out["token_ids"] == reference(tiny_pair, PROMPT, 16, **SAMPLED, **FULL)[1]
-    assert out["sampling"] == dict(SAMPLED)
+    assert out["sampling"] == {**SAMPLED, "min_p": 0.0}
+    out = json.loads(run.invoke(main, [*base, "--temperature", "1.5", "--min-p", "0.2", "--seed", "11"]).output)
+    assert out["token_ids"] == reference(tiny_pair, PROMPT, 16, temperature=1.5, min_p=0.2, seed=11, **FULL)[1]
+    assert out["sampling"]["min_p"] == 0.2
+    flags = ["--logit-bias", "5=3", "--repetition-penalty", "1.8", "--repetition-context-size", "30",
+             "--frequency-penalty", "0.6"]
+    out = json.loads(run.invoke(main, [*base[:-2], *flags]).output)  # the default window, greedy
+    assert out["token_ids"] == reference(tiny_pair, PROMPT, 16, **PROCS)[1]
+    for flags, word in [(["--logit-bias", "7"], "ID=BIAS"), (["--frequency-context-size", "0"], "--frequency-context-size"),
+                        (["--repetition-penalty", "0"], "repetition_penalty must be")]:
+        res = run.invoke(main, [*base, *flags])
+        assert res.exit_code != 0 and word in res.output, (flags, res.output)
     drawn = json.loads(run.invoke(main, [*base, "--temperature", "0.8"]).output)  # no seed: one is drawn
     assert isinstance(drawn["sampling"]["seed"], int)
     again = json.loads(run.invoke(main, [*base, "--temperature", "0.8", "--seed", str(drawn["sampling"]["seed"])]).output)
     assert again["token_ids"] == drawn["token_ids"]
     greedy = json.loads(run.invoke(main, base).output)
     assert greedy["token_ids"] == reference(tiny_pair, PROMPT, 16)[1]
-    assert greedy["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None}
+    assert greedy["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "min_p": 0.0}
     for flags, word in [(["--temperature", "-0.1"], "--temperature"), (["--temperature", "nan"], "finite"),
                         (["--top-p", "0"], "--top-p"), (["--top-k", "-1"], "--top-k"),
-                        (["--seed", str(1 << 64)], "--seed")]:
+                        (["--seed", str(1 << 64)], "--seed"), (["--min-p", "-0.1"], "--min-p"),
+                        (["--min-p", "nan"], "finite")]:
         res = run.invoke(main, [*base, *flags])
         assert res.exit_code == 2 and word in res.output, (flags, res.output)
