@@ -216,6 +216,10 @@ class Compute:
         # Resolved when the job was accepted; a job persisted by a version-1 worker has none
         # (greedy, as that version promised).
         sampling = dict(req.get("sampling") or {})
+        bias = sampling.get("logit_bias") or {}
+        if bias and max(map(int, bias)) >= self.vocab_size:  # accepted while the model loaded
+            msg = f"logit_bias token id {max(map(int, bias))} is outside the vocabulary (0..{self.vocab_size - 1})"
+            return P.Error(code=P.BAD_SAMPLING, message=msg, job_id=job.job_id, param="logit_bias"), "error"
         final = None
         for ev in stream_dflash_generate(
             self.pair.target,
