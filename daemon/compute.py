@@ -180,6 +180,7 @@ class Compute:
 
     def _generate(self, job: Job) -> tuple[Any, str]:
         from dflash.engine.generate import Finished, stream_dflash_generate
+        from dflash.engine.processors import bias_vocab_problem
         from dflash.engine.sampling import SamplingParams
         from dflash.engine.rollback import plain_step_undoable
         from dflash.engine.window import fixed_window
@@ -216,10 +217,9 @@ class Compute:
         # Resolved when the job was accepted; a job persisted by a version-1 worker has none
         # (greedy, as that version promised).
         sampling = dict(req.get("sampling") or {})
-        bias = sampling.get("logit_bias") or {}
-        if bias and max(map(int, bias)) >= self.vocab_size:  # accepted while the model loaded
-            msg = f"logit_bias token id {max(map(int, bias))} is outside the vocabulary (0..{self.vocab_size - 1})"
-            return P.Error(code=P.BAD_SAMPLING, message=msg, job_id=job.job_id, param="logit_bias"), "error"
+        # accepted while the model loaded: the submit check could not see the vocabulary then
+        if (problem := bias_vocab_problem(sampling.get("logit_bias"), self.vocab_size)) is not None:
+            return P.Error(code=P.BAD_SAMPLING, message=problem, job_id=job.job_id, param="logit_bias"), "error"
         final = None
         for ev in stream_dflash_generate(
             self.pair.target,

@@ -404,10 +404,11 @@ class Worker:
         if req.timeout_s is not None and not req.timeout_s > 0:
             raise bad("timeout_s must be > 0", "timeout_s")
         P.check_submit(req)  # job id, token ids >= 0, sampling: the rules the clients check too
-        vocab = self.compute.vocab_size  # 0 until the model is loaded: the engine checks it then
-        if req.logit_bias and vocab and max(map(int, req.logit_bias)) >= vocab:
-            raise P.ProtocolError(P.BAD_SAMPLING, f"logit_bias token id {max(map(int, req.logit_bias))} is outside "
-                                  f"the vocabulary (0..{vocab - 1})", param="logit_bias")
+        from dflash.engine.processors import bias_vocab_problem  # MLX: imported once the accelerator is set
+
+        vocab = self.compute.vocab_size  # 0 until the model is loaded: the job is checked when it runs
+        if vocab and (problem := bias_vocab_problem(req.logit_bias, vocab)) is not None:
+            raise P.ProtocolError(P.BAD_SAMPLING, problem, param="logit_bias")
         self._validate_sparse(req)
 
     def _validate_sparse(self, req: P.Submit) -> None:

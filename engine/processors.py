@@ -121,9 +121,15 @@ class ProcessorParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """A bias on a token past the vocabulary would index outside the logits: refused."""
-        bad = [t for t in self.bias if t >= vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias token id {min(bad)} is outside the vocabulary (0..{vocab_size - 1})")
+        if (problem := bias_vocab_problem(self.bias, vocab_size)) is not None:
+            raise ValueError(problem)
+
+
+def bias_vocab_problem(logit_bias: Mapping[Any, Any] | None, vocab_size: int) -> str | None:
+    """Why a bias (ids as ints or decimal strings) does not fit a vocabulary of vocab_size, or
+    None: the one rule the engine, the worker at submit and its MLX thread apply."""
+    bad = [int(t) for t in (logit_bias or {}) if int(t) >= vocab_size]
+    return f"logit_bias token id {min(bad)} is outside the vocabulary (0..{vocab_size - 1})" if bad else None
 
 
 class LogitsProcessors:
@@ -156,15 +162,19 @@ class LogitsProcessors:
         if block is not None:
             seq = mx.concatenate([seq, block.reshape(-1).astype(mx.int32)[:rows]])
         first_end = len(tail) + (block is not None)  # row 0's history ends here in seq
+        seen_by_context: dict[int, mx.array] = {}  # one mask per window: repetition and presence share it
         for kind, value, context in self._penalties:
-            r, p = window_pairs(first_end, rows, min(context, first_end + rows))  # none reaches further
+            context = min(context, first_end + rows)  # no window reaches further back
+            r, p = window_pairs(first_end, rows, context)
             if r.size == 0:
                 continue
             r_idx, toks = mx.array(r), seq[mx.array(p)]
             if kind == "frequency":  # once per occurrence, as mlx-lm's scatter-subtract does
                 logits = logits.at[r_idx, toks].subtract(value)
                 continue
-            seen = mx.zeros(logits.shape, mx.int32).at[r_idx, toks].add(1) > 0
+            if context not in seen_by_context:
+                seen_by_context[context] = mx.zeros(logits.shape, mx.int32).at[r_idx, toks].add(1) > 0
+            seen = seen_by_context[context]
             if kind == "repetition":
                 logits = mx.where(seen, mx.where(logits < 0, logits * value, logits / value), logits)
             else:  # presence: once per distinct token
