@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import click
 
-from .benchmark import benchmark_command, finite_option, window_option
+from .bench.cli import benchmark_command, finite_option, window_option
 from .tiny import ARCH_CONFIGS
 
 

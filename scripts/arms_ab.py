@@ -28,7 +28,7 @@ arm is NAME:KEY=VALUE,...; the keys:
                 for one arm: the target loads with the most rows any arm asks for, and a target
                 whose verify attention cannot take rows is refused before any run)
 Unset keys keep the loaded pair's defaults. `--baseline` adds mlx-lm's own decoding of the same
-model as an arm ("mlx-lm"), timed with the same clock (engine/benchmark.py), so every arm's
+model as an arm ("mlx-lm"), timed with the same clock (engine/bench/timing.py), so every arm's
 speedup comes out of the same interleaving. `--warmup` answers the first question by every arm
 that many times untimed first (compiles, caches, a GPU's first kernels). In one process the
 machine's drift hits every arm alike, which `dflash benchmark` runs in separate processes cannot
@@ -160,7 +160,7 @@ def attach_drafters(pair, arms: list[Arm], dtype: str | None) -> None:
 
 
 def questions(heldout: int, seed: int = 0) -> list[str]:
-    from dflash.engine.benchsetup import CHAT_QUESTIONS
+    from dflash.engine.bench.setup import CHAT_QUESTIONS
     from dflash.engine.training.data import load_heldout
 
     held = [q for _, q in load_heldout()]
@@ -172,7 +172,7 @@ def _generate(pair, arm: Arm | None, ids: list[int], max_tokens: int,
               teacher: list[int] | None = None) -> tuple[list[int], dict]:
     """One greedy answer by one arm (None: mlx-lm), timed as `dflash benchmark` times it;
     `teacher`: the ids a DFlash arm decodes (see --teach)."""
-    from dflash.engine.benchmark import run_baseline, run_dflash
+    from dflash.engine.bench.timing import run_baseline, run_dflash
 
     if arm is None:
         return run_baseline(pair, ids, max_tokens)
@@ -341,7 +341,7 @@ def main() -> None:
     prompts = [pair.tokenizer.apply_chat_template([{"role": "user", "content": q}],
                                                   add_generation_prompt=True)
                for q in questions(a.heldout)]
-    from dflash.engine.benchmark import hardware_info, versions
+    from dflash.engine.bench.environment import hardware_info, versions
 
     machine = {"hardware": hardware_info(), "versions": versions(),
                "env": {k: os.environ.get(k) for k in ENV_NOTED},

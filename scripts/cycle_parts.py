@@ -35,7 +35,7 @@ def main() -> None:
     import mlx.core as mx
 
     from dflash.engine import generate as gen
-    from dflash.engine.benchmark import hardware_info, versions
+    from dflash.engine.bench.environment import hardware_info, versions
     from dflash.engine.loading import load_pair
     from dflash.engine.prompting import build_prompt
 

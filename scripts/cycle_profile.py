@@ -35,8 +35,8 @@ import mlx.core as mx
 
 from dflash.engine import generate as gen
 from dflash.engine import lookup, rollback, window
-from dflash.engine.benchmark import hardware_info, versions
-from dflash.engine.benchsetup import CHAT_QUESTIONS, text_prompt_ids
+from dflash.engine.bench.environment import hardware_info, versions
+from dflash.engine.bench.setup import CHAT_QUESTIONS, text_prompt_ids
 from dflash.engine.loading import load_pair
 from dflash.engine.prompting import build_prompt, prompt_lines
 

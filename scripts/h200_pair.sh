@@ -138,7 +138,7 @@ case "$1" in
     ls -la "$OUT" ;;
   bench)
     ns; model
-    python3 -m dflash.engine.benchmark --model "$MODEL" --draft "$DRAFT" --contexts 128,1024 --max-tokens 256 \
+    python3 -m dflash.engine.bench --model "$MODEL" --draft "$DRAFT" --contexts 128,1024 --max-tokens 256 \
       --repeats 3 --warmup 1 --cooldown 2 --label smollm2-135m-dflash-h200 --out "$OUT" "${@:2}" 2>&1 | tail -30 ;;
   ttft)
     ns; model

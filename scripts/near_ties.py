@@ -22,7 +22,7 @@ from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
 from dflash.engine import accel
-from dflash.engine.benchsetup import CHAT_QUESTIONS
+from dflash.engine.bench.setup import CHAT_QUESTIONS
 from dflash.engine.prompting import build_prompt
 
 

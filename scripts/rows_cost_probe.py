@@ -49,7 +49,7 @@ def load_target(args: argparse.Namespace) -> tuple[TargetModel, str]:
     """The target (layer ids: five spread, as a draft would read), and how it was made."""
     dtype = getattr(mx, args.dtype)
     if args.random_target:
-        from dflash.engine.benchsetup import random_target
+        from dflash.engine.bench.setup import random_target
 
         model, _, _ = random_target(args.random_target, dtype)
         name = f"random {args.random_target}"
@@ -167,7 +167,7 @@ def probe(args: argparse.Namespace) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="an mlx-lm model directory")
-    ap.add_argument("--random-target", help="a random-weight shape (benchsetup.RANDOM_SHAPES)")
+    ap.add_argument("--random-target", help="a random-weight shape (bench.setup.RANDOM_SHAPES)")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--lengths", default="128,256,512,1024,1536,2048,4096")
     ap.add_argument("--rows", default="1,2,4,8")

@@ -25,7 +25,8 @@ import json
 import mlx.core as mx
 import numpy as np
 
-from dflash.engine.benchmark import hardware_info, run_baseline, run_dflash, versions
+from dflash.engine.bench.environment import hardware_info, versions
+from dflash.engine.bench.timing import run_baseline, run_dflash
 from dflash.engine.loading import load_pair
 
 

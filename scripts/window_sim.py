@@ -62,7 +62,7 @@ def trace_answers(pair, drafter, prompts: list[list[int]], max_tokens: int,
     but the last (the drafts at t that match the answer's tokens after t)."""
     import mlx.core as mx
 
-    from dflash.engine.benchmark import run_baseline
+    from dflash.engine.bench.timing import run_baseline
 
     out = []
     for qi, ids in enumerate(prompts):

@@ -69,7 +69,7 @@ def test_arm_names_must_differ(pairs):
 
 def test_questions_are_the_chat_five_then_a_fixed_draw_of_held_out_ones():
     mod = _module()
-    from dflash.engine.benchsetup import CHAT_QUESTIONS
+    from dflash.engine.bench.setup import CHAT_QUESTIONS
 
     qs = mod.questions(7)
     assert qs[:5] == CHAT_QUESTIONS and len(qs) == 12 and set(qs[5:]) <= set(mod.questions(48))
@@ -117,19 +117,19 @@ def test_a_gap_arm_sets_the_probe_gap_for_its_own_generations_only(pairs, monkey
 
 def test_teach_times_every_arm_on_mlx_lms_text(pairs, monkeypatch):
     """--teach: mlx-lm answers each prompt once, untimed, and every DFlash run decodes that text."""
-    from dflash.engine import benchmark
+    from dflash.engine.bench import timing
 
     mod = _module()
     pair = pairs("qwen3")
     prompts = [pair.tokenizer.encode(t) for t in ("The quick brown fox jumps", "def add(a, b):")]
     taught = []
-    real = benchmark.run_dflash
+    real = timing.run_dflash
 
     def spy(*args, teacher=None, **kwargs):
         taught.append(teacher)
         return real(*args, teacher=teacher, **kwargs)
 
-    monkeypatch.setattr(benchmark, "run_dflash", spy)
+    monkeypatch.setattr(timing, "run_dflash", spy)
     arms = [mod.parse_arm(s) for s in ("whole:window=full", "auto")]
     res = mod.run(pair, prompts, arms, rounds=1, max_tokens=20, baseline=True, teach=True)
     assert len(taught) == 4 and all(t for t in taught)

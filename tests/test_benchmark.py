@@ -14,14 +14,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dflash.engine.benchmark import (
-    BenchConfig,
-    benchmark_command,
-    compare_ids,
-    prompt_ids,
-    run_benchmark,
-)
-from dflash.engine.benchplot import format_table, plot
+from dflash.engine.bench.cli import benchmark_command
+from dflash.engine.bench.plot import format_table, plot
+from dflash.engine.bench.run import run_benchmark
+from dflash.engine.bench.setup import BenchConfig, prompt_ids
+from dflash.engine.bench.timing import compare_ids
 from dflash.engine.tiny import build_draft, build_target
 
 BLOCK = 16
@@ -149,7 +146,7 @@ def test_random_tiny_target_oracle_with_draft_cost(tmp_path: Path) -> None:
 
 
 def test_prompt_ids_exact_length(tiny: Path) -> None:
-    from dflash.engine.benchmark import build_setup
+    from dflash.engine.bench.setup import build_setup
 
     setup = build_setup(BenchConfig(model=str(tiny / "target"), oracle=True))
     for n in (1, 7, 300):
@@ -184,16 +181,16 @@ def test_chat_mode_one_row_per_question(tiny: Path, tmp_path: Path) -> None:
     assert data["config"]["chat"] is True and len(data["summary"]) == 2
     assert all(row["lossless"] is True for row in data["summary"])
     # the saved result drawn again (per question: bars, not a line over prompt lengths)
-    from dflash.engine import benchplot
+    from dflash.engine.bench import plot as plot_tool
 
     (saved,) = tmp_path.glob("*.json")
-    assert benchplot.main([str(saved)]) == 0
+    assert plot_tool.main([str(saved)]) == 0
     png = saved.with_suffix(".png")
     assert png.is_file(), "no plot: the bench extra (matplotlib) is missing; `make` installs it"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     two_temps = [dict(r, temperature=t) for t in (0.0, 0.7) for r in data["summary"]]
-    assert benchplot._questions(two_temps) == 2 and benchplot._questions(data["summary"]) == 2
-    assert benchplot.main([str(questions)]) == 1  # not a result: a clear line, no traceback
+    assert plot_tool._questions(two_temps) == 2 and plot_tool._questions(data["summary"]) == 2
+    assert plot_tool.main([str(questions)]) == 1  # not a result: a clear line, no traceback
     with pytest.raises(ValueError, match="--chat needs a real model"):
         run_benchmark(BenchConfig(random_target="tiny", chat=True, out=str(tmp_path)), log=lambda s: None)
 
@@ -284,7 +281,7 @@ def test_sampling_side_by_side(tiny: Path, tmp_path: Path) -> None:
 
 
 def test_ledger_and_planner() -> None:
-    from dflash.engine.benchplan import (
+    from dflash.engine.bench.plan import (
         Planner, ShapeLedger, baseline_shapes, dflash_shapes, oracle_shapes)
 
     ledger = ShapeLedger()
@@ -398,7 +395,7 @@ def test_random_draft_follows_the_seed() -> None:
     """--seed says it sets the random weights: the draft's too (seed 0: the draft of before)."""
     from mlx.utils import tree_flatten
 
-    from dflash.engine.benchmark import build_setup
+    from dflash.engine.bench.setup import build_setup
 
     def draft_weights(seed: int) -> list:
         setup = build_setup(BenchConfig(random_target="tiny", draft_layers=1, seed=seed))
@@ -409,7 +406,7 @@ def test_random_draft_follows_the_seed() -> None:
 
 def test_results_never_overwrite_each_other(tmp_path: Path) -> None:
     """Two results of one label in one second (tiny runs take about that) get two files."""
-    from dflash.engine.benchmark import _write
+    from dflash.engine.bench.results import _write
 
     cfg = BenchConfig(label="same", out=str(tmp_path))
     paths = [_write({"n": i}, cfg, None) for i in range(3)]
@@ -419,15 +416,15 @@ def test_results_never_overwrite_each_other(tmp_path: Path) -> None:
 
 def test_ctrl_c_writes_what_was_measured(tiny: Path, tmp_path: Path) -> None:
     """A real process, a real SIGINT after its first timed run: exit 130, the JSON written with
-    that run in it and `interrupted: true`, its path printed; benchplot takes the file."""
+    that run in it and `interrupted: true`, its path printed; bench.plot takes the file."""
     import os
     import signal
     import subprocess
 
-    from dflash.engine import benchplot
+    from dflash.engine.bench import plot as plot_tool
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash.engine.benchmark", "--model", str(tiny / "target"),
+        [sys.executable, "-m", "dflash.engine.bench", "--model", str(tiny / "target"),
          "--draft", str(tiny / "draft"), "--contexts", "64,128,256", "--max-tokens", "64",
          "--repeats", "3", "--cooldown", "1", "--no-plot", "--out", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **NO_REEXEC},
@@ -447,4 +444,4 @@ def test_ctrl_c_writes_what_was_measured(tiny: Path, tmp_path: Path) -> None:
     assert data["interrupted"] is True and data["runs"]
     assert all(r["context"] == 64 for r in data["runs"]) and len(data["summary"]) == 0
     assert all(r["lossless"] is None for r in data["runs"] if r["engine"] == "dflash")
-    assert benchplot.main([str(saved)]) == 0
+    assert plot_tool.main([str(saved)]) == 0

@@ -154,7 +154,7 @@ def test_pair_and_benchmark_setup_take_the_draft_s_file(tiny_dirs, tmp_path: Pat
     """load_pair and the benchmark's setup read draft_vocab.json; the env var overrides it."""
     import shutil
 
-    from dflash.engine.benchsetup import BenchConfig, build_setup
+    from dflash.engine.bench.setup import BenchConfig, build_setup
     from dflash.engine.loading import load_pair
 
     monkeypatch.delenv(draftvocab.ENV, raising=False)

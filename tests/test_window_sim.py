@@ -32,7 +32,7 @@ def test_a_trace_replays_the_engines_whole_block_cycles(pairs, drafter_kind):
     mod = _module()
     pair = pairs("llama")
     ids = pair.tokenizer.encode("The quick brown fox jumps over")
-    from dflash.engine.benchmark import run_baseline
+    from dflash.engine.bench.timing import run_baseline
 
     ref, _ = run_baseline(pair, ids, 40)
     drafter = (OracleDrafter(ref, len(ids), 16, corrupt_at=(5,), vocab_size=pair.target.vocab_size)

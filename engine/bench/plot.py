@@ -172,7 +172,7 @@ def _questions(rows: list[dict[str, Any]]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m dflash.engine.benchplot RESULT.json ...`: print each saved result's table and
+    """`python -m dflash.engine.bench.plot RESULT.json ...`: print each saved result's table and
     draw its plot again beside it (RESULT.png), e.g. after installing matplotlib."""
     import argparse
     import json

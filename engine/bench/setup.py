@@ -16,11 +16,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import draftvocab
-from .draft import DFlashDraft, DraftConfig
-from .drafters import DFlashDrafter, Drafter, OracleDrafter
-from .loading import DTYPES, draft_dtype, floating_dtypes, main_dtype, resolve_model
-from .target import TargetModel, default_layer_ids
+from .. import draftvocab
+from ..draft import DFlashDraft, DraftConfig
+from ..drafters import DFlashDrafter, Drafter, OracleDrafter
+from ..loading import DTYPES, draft_dtype, floating_dtypes, main_dtype, resolve_model
+from ..target import TargetModel, default_layer_ids
 
 # Named shapes for --random-target (public architecture numbers of the Qwen3 family).
 _QWEN3 = dict(
@@ -158,7 +158,7 @@ def _tiny_tokenizer() -> Any:
     from mlx_lm.tokenizer_utils import TokenizerWrapper
     from transformers import PreTrainedTokenizerFast
 
-    from .tiny import build_tokenizer
+    from ..tiny import build_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="dflash-bench-tok-") as d:
         build_tokenizer(Path(d))
@@ -171,7 +171,7 @@ def random_target(shape: str, dtype: mx.Dtype, seed: int = 0) -> tuple[Any, Any,
     """A random-weight mlx-lm model of a named shape, built in memory; returns (model, tok, cfg)."""
     from mlx_lm.utils import _get_classes
 
-    from .tiny import ARCH_CONFIGS
+    from ..tiny import ARCH_CONFIGS
 
     if shape not in RANDOM_SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(RANDOM_SHAPES)}")
@@ -197,7 +197,7 @@ def make_decisive(model: Any, token: int = DECISIVE_TOKEN, strength: float = 100
     residual stream carries to the final norm; the LM head row of `token` reads that feature.
     Shapes, dtypes and the work per token are unchanged: only which token wins, and by how much.
     """
-    from .target import _find_text_model
+    from ..target import _find_text_model
 
     outer, inner = _find_text_model(model)
     emb = inner.embed_tokens.weight
@@ -246,7 +246,7 @@ def default_dtype_name() -> str:
 
 def build_setup(cfg: BenchConfig) -> Setup:
     """Load or build the target, the draft (if any) and the tokenizer for this config."""
-    from .draft import load_draft
+    from ..draft import load_draft
 
     if cfg.random_target:
         dname = cfg.dtype or default_dtype_name()
@@ -271,7 +271,7 @@ def build_setup(cfg: BenchConfig) -> Setup:
         raise ValueError("--model (or --random-target) is required")
     local = resolve_model(cfg.model)  # a clear error for a missing model, before any draft's
     if not cfg.oracle and not cfg.draft:
-        from .registry import resolve_draft
+        from ..registry import resolve_draft
 
         cfg.draft = str(resolve_draft(cfg.model, model_dir=local))  # clear error when no draft is known
     from mlx_lm import load as mlx_load
@@ -356,7 +356,7 @@ def make_drafter(setup: Setup, cfg: BenchConfig, reference: list[int], prompt_le
 def prompt_text(cfg: BenchConfig) -> str | None:
     """--prompt-file's text, read before any model loads: an empty file (with --chat: one without
     a question) is refused, never silently replaced by the built-in prompts."""
-    from .prompting import prompt_lines
+    from ..prompting import prompt_lines
 
     if not cfg.prompt_file:
         return None
@@ -396,7 +396,7 @@ def text_prompt_ids(tok: Any, length: int, text: str | None = None) -> list[int]
 def chat_prompts(setup: Setup, text: str | None) -> list[list[int]]:
     """One prompt per question (a line of `text`: plain, or JSONL with "prompt" as the held-out
     sets are; or the built-in ones) through the chat template."""
-    from .prompting import build_prompt, prompt_lines
+    from ..prompting import build_prompt, prompt_lines
 
     if setup.random_prompts:
         raise ValueError("--chat needs a real model with a tokenizer (not --random-target)")
