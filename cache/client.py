@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -21,6 +22,18 @@ import zmq
 
 PROTOCOL_VERSION = 1
 PUT_BYTES_PER_S = 128 << 20  # slowest store rate an acknowledged put is allowed before timing out
+_NO_REPLY = object()  # a request was sent, its reply never came: what it did is unknown
+
+
+@dataclass
+class Written:
+    """The outcome of an acknowledged put (`CacheClient.write`)."""
+
+    stored: bool
+    # the keys the cache process evicted to make room for this write (also when it failed);
+    # None when that is unknown: the request went out and no reply came (timeout), or a reply
+    # without the list (the process failed mid-write). [] when nothing was sent.
+    evicted: list[str] | None
 
 
 class CacheClient:
@@ -77,14 +90,35 @@ class CacheClient:
         """Store bytes. wait=False: write-behind, True when handed to the socket (no ack);
         wait=True: True only once the cache process has stored them (refused, failed, timed
         out or unreachable: False)."""
-        # an acknowledged write may take the cache process a while to store (and check): its
-        # timeout grows with its size, at PUT_BYTES_PER_S
-        extra = len(data) / PUT_BYTES_PER_S if wait else 0.0
-        got = self._request({"op": "put", "key": key, "ack": wait}, data, want_reply=wait, extra_s=extra)
+        if wait:
+            return self.write(key, data).stored
+        got = self._request({"op": "put", "key": key, "ack": False}, data, want_reply=False)
         if got is None:
             self._count("dropped_puts")
             return False
         return True
+
+    def write(self, key: str, data: bytes) -> Written:
+        """An acknowledged put: whether the cache process stored the bytes, and which keys it
+        evicted to make room for them (None: unknown, the reply never came)."""
+        # an acknowledged write may take the cache process a while to store (and check): its
+        # timeout grows with its size, at PUT_BYTES_PER_S
+        got = self._exchange({"op": "put", "key": key, "ack": True}, data, want_reply=True,
+                             extra_s=len(data) / PUT_BYTES_PER_S)
+        if got is None:  # never sent: nothing stored, nothing evicted
+            self._count("dropped_puts")
+            return Written(False, [])
+        if got is _NO_REPLY:
+            self._count("dropped_puts")
+            return Written(False, None)
+        reply = got[0]
+        evicted = reply.get("evicted")
+        if not isinstance(evicted, list) or not all(isinstance(k, str) for k in evicted):
+            evicted = None
+        stored = bool(reply.get("ok"))
+        if not stored:
+            self._count("dropped_puts")
+        return Written(stored, evicted)
 
     def delete(self, key: str) -> bool:
         return self.call("delete", key=key) is not None
@@ -109,6 +143,17 @@ class CacheClient:
     def _request(
         self, header: dict[str, Any], payload: bytes | None, want_reply: bool, extra_s: float = 0.0
     ) -> tuple[dict[str, Any], memoryview | None] | None:
+        """One request -> (reply, payload) when answered ok, else None."""
+        got = self._exchange(header, payload, want_reply, extra_s)
+        if got is None or got is _NO_REPLY or not got[0].get("ok"):
+            return None
+        return got
+
+    def _exchange(
+        self, header: dict[str, Any], payload: bytes | None, want_reply: bool, extra_s: float = 0.0
+    ) -> Any:
+        """One request -> (reply, payload) as answered (error replies too, counted as errors),
+        None when nothing was sent, or _NO_REPLY when it was sent and no reply came in time."""
         # Bounded wait for the lock: another thread's call (the prefix cache's writer awaiting a
         # write's acknowledgement) may hold it; a lookup gives up (a miss) rather than wait longer
         # than one call of its own would.
@@ -122,7 +167,7 @@ class CacheClient:
 
     def _locked_request(
         self, header: dict[str, Any], payload: bytes | None, want_reply: bool, extra_s: float
-    ) -> tuple[dict[str, Any], memoryview | None] | None:
+    ) -> Any:
         if time.monotonic() < self._down_until:
             self._count("unavailable")
             return None
@@ -150,15 +195,13 @@ class CacheClient:
             return {"ok": True}, None
         return self._await(sock, rid, extra_s)
 
-    def _await(
-        self, sock: zmq.Socket, rid: int, extra_s: float = 0.0
-    ) -> tuple[dict[str, Any], memoryview | None] | None:
+    def _await(self, sock: zmq.Socket, rid: int, extra_s: float = 0.0) -> Any:
         deadline = time.monotonic() + self.timeout_s + extra_s
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
                 self._fail(timeout=True)
-                return None
+                return _NO_REPLY
             frames = sock.recv_multipart(copy=False)  # a snapshot is read in place, not copied
             try:
                 reply = msgpack.unpackb(frames[0].buffer, raw=False)
@@ -168,7 +211,6 @@ class CacheClient:
                 continue  # a late reply to a request that already timed out
             if not reply.get("ok"):
                 self._count("errors")
-                return None
             return reply, (frames[1].buffer if len(frames) > 1 else None)
 
     def _socket(self) -> zmq.Socket:

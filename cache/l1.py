@@ -19,6 +19,7 @@ class L1Entry:
     in_l2: bool = False  # in L2: the cache process acknowledged its write, or it came from L2
     pending: bool = False  # a write to L2 is queued or under way (its outcome not known yet)
     evicted: bool = False  # L1 let it go: a failed write of it now loses it from both tiers
+    discarded: bool = False  # dropped as unfit (PrefixCache.discard): a write of it must not stay
 
 
 class L1:
@@ -45,6 +46,13 @@ class L1:
         if entry is not None:
             self._entries.move_to_end(key)
         return entry
+
+    def peek(self, key: str) -> L1Entry | None:
+        """The entry under `key`, its place in the LRU order untouched; None when absent."""
+        return self._entries.get(key)
+
+    def values(self) -> list[L1Entry]:
+        return list(self._entries.values())
 
     def put(self, key: str, entry: L1Entry) -> list[tuple[str, L1Entry]]:
         """Store `entry` (replacing any old one) and evict LRU entries until within budget.

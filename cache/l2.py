@@ -8,10 +8,13 @@ restarts of either process and a kill -9 mid-write (an interrupted write leaves 
 Wire (one msgpack header frame, then an optional raw payload frame):
     request  {"v": 1, "id": int, "op": str, ...}             reply {"v": 1, "id": int, "ok": bool,
     ops: ping, get {keys: [str]} -> first present intact       "code": str, ...} [+ payload]
-         put {key, ack} + payload, delete {key}, stats, clear,
+         put {key, ack} + payload -> {evicted: [str]}, delete {key}, stats, clear,
          pos_put {name, positions}, pos_get {name}, pos_list, pos_delete {name}
-A put with ack=False gets no reply (write-behind from the worker). Bad frames get an error reply
-(or are dropped when no reply is possible); nothing a client sends stops the process.
+A put with ack=False gets no reply. A put's reply, ok or not, lists the keys evicted to make room
+for it (`evicted`), so that the worker stops counting its L1 copies of them as stored in L2; a
+reply without the list (an `internal` error) means the worker cannot know what is still stored.
+Bad frames get an error reply (or are dropped when no reply is possible); nothing a client sends
+stops the process.
 Snapshots are other users' prompts' KV state: everything this process creates is private (umask
 077; the store directories are chmod 0700 even when they already existed). A damaged store is
 moved aside and recreated at start-up (cache/repair.py); damage found while serving ends the
@@ -147,8 +150,10 @@ class Store:
         except Exception:
             pass
 
-    def put(self, key: str, data: bytes) -> str:
-        """Store one snapshot; return "" or an error code (writes fail soft)."""
+    def put(self, key: str, data: bytes, evicted: list[str] | None = None) -> str:
+        """Store one snapshot; return "" or an error code (writes fail soft). The keys evicted to
+        make room are appended to `evicted` (also when the write then fails): the worker's L1
+        must stop counting those entries as in L2, or it drops them later without spilling."""
         if not key.startswith(SNAP_PREFIX) or len(key) > 256:
             return "bad_key"
         if snapshot.verify(data, key):  # intact, and bound to this key
@@ -159,9 +164,10 @@ class Store:
             self.counters["too_large"] += 1
             return "too_large"
         try:
-            self._make_room(len(data), keep=key)  # before writing: the disk never holds more
+            # before writing: the disk never holds more
+            self._make_room(len(data), keep=key, evicted=evicted)
             self.snaps.set(key, data, retry=True)
-            self._make_room(0, keep=key)  # sqlite pages may have grown
+            self._make_room(0, keep=key, evicted=evicted)  # sqlite pages may have grown
         except Exception as e:  # ENOSPC, EFBIG, sqlite "database or disk is full", ...
             if repair.is_damage(e):
                 raise
@@ -171,8 +177,9 @@ class Store:
         self.counters["puts"] += 1
         return ""
 
-    def _make_room(self, need: int, keep: str) -> None:
-        """Evict least-recently-used snapshots (never `keep`) until `need` more bytes fit."""
+    def _make_room(self, need: int, keep: str, evicted: list[str] | None = None) -> None:
+        """Evict least-recently-used snapshots (never `keep`) until `need` more bytes fit; the
+        keys evicted are appended to `evicted`."""
         limit = self.snaps.size_limit
         while self.snaps.volume() + need > limit:
             victims = self.snaps._sql(_LRU, (keep,)).fetchall()  # diskcache has no public LRU order
@@ -183,6 +190,8 @@ class Store:
                     return
                 if self.snaps.delete(victim, retry=True):
                     self.counters["evictions"] += 1
+                    if evicted is not None:
+                        evicted.append(victim)
 
     def stats(self) -> dict[str, Any]:
         return dict(self.counters, entries=len(self.snaps), bytes=self.snaps.volume(),
@@ -281,8 +290,10 @@ class Server:
             key = req.get("key")
             if not isinstance(key, str) or len(payload) != 1:
                 raise _BadRequest("put needs key: str and one payload frame")
-            code = st.put(key, payload[0])
-            return ({"ok": False, "code": code} if code else {"ok": True}), None
+            evicted: list[str] = []  # reported in the reply, failed or not (see the module doc)
+            code = st.put(key, payload[0], evicted)
+            return ({"ok": False, "code": code, "evicted": evicted} if code
+                    else {"ok": True, "evicted": evicted}), None
         if op == "delete":
             key = _need_str(req, "key")
             return {"ok": True, "deleted": bool(st.snaps.delete(key, retry=True))}, None

@@ -12,6 +12,15 @@ bodies into bytes and hands them to the cache process, so taking a snapshot duri
 never waits for encoding or the socket (it did: ~2 s of a 31 ms H200 prefill at 4K tokens).
 The writer awaits each write's acknowledgement: an L1 entry counts as in L2 only then, so one
 whose write did not land is spilled when L1 evicts it instead of being lost from both tiers.
+It counts as in L2 only as long as L2 holds it, too: each acknowledgement lists the keys the cache
+process evicted to make room (its LRU knows nothing of L1 hits), and those L1 entries lose the
+mark, so L1 spills them again when it evicts them (a reply that never came may have evicted
+anything: then no L1 entry keeps the mark).
+
+`discard` (a snapshot that does not fit the loaded model) must win over a write of the same entry
+still queued or under way: its L2 delete goes through the writer's queue, behind any such write,
+and the entry is marked discarded so that a write not yet sent is skipped. The engine thread
+never waits for the cache process there.
 
 Three threads meet here in the daemon: the engine's (lookup, insert), the writer (write outcomes)
 and the socket thread (`stats`). One lock guards every counter, L1 and the entries' write flags,
@@ -26,6 +35,7 @@ import queue
 import sys
 import threading
 from array import array
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -36,6 +46,7 @@ from .snapshot import FORMAT_VERSION, CorruptSnapshot
 
 log = logging.getLogger("dflash.cache")
 MAX_KNOWN_ENDS = 1024  # off-grid prompt lengths remembered as lookup candidates
+MAX_GONE = 4096  # keys the cache process reported evicted, remembered for lookups under way
 
 
 class SnapshotLike(Protocol):
@@ -87,6 +98,16 @@ class PrefixCacheStats:
     # that write then failed: in neither tier (part of l2_dropped_writes)
     l2_lost_writes: int = 0
     mismatch_dropped: int = 0  # snapshots that did not fit the loaded model: dropped, prefilled cold
+    # writes of discarded snapshots (did not fit) still queued or under way at the discard: not
+    # sent, or deleted again behind the write (part of l2_writes when they had landed)
+    l2_discarded_writes: int = 0
+    # L1 entries the cache process evicted (LRU, for room) while L1 held them: no longer counted
+    # as in L2, so spilled when L1 evicts them instead of being lost from both tiers
+    l2_evicted_in_l1: int = 0
+    # acknowledged writes whose reply never came (timeout), or came without its evictions (the
+    # cache process failed mid-write): what they evicted is unknown, so no L1 entry kept its
+    # in-L2 mark (those entries are counted in l2_evicted_in_l1)
+    l2_unanswered_writes: int = 0
     l1: TierStats = field(default_factory=TierStats)
     l2: TierStats = field(default_factory=TierStats)
 
@@ -124,8 +145,21 @@ class PrefixCache:
         # writer threads and are read on the socket thread: all of them only under this lock,
         # so one stats() is one consistent set (lookups == misses + hits, L1 bytes of its entries).
         self._lock = threading.Lock()
-        self._writes: queue.Queue[tuple[str, dict[str, Any], L1Entry]] = queue.Queue(maxsize=max_pending_writes)
+        # The writer's work, in order: ("put", key, body, entry) and ("delete", key, None, None).
+        # Unbounded: puts are bounded by max_pending_writes (counted in _queued_puts), deletes are
+        # never refused (one per discard) so that a discard always follows the writes before it.
+        self._writes: queue.Queue[tuple[str, str, dict[str, Any] | None, L1Entry | None]] = queue.Queue()
+        self._max_pending_writes = max_pending_writes
+        self._queued_puts = 0
         self._writer: threading.Thread | None = None
+        # Eviction reports from the cache process (one per answered write), for a lookup that
+        # brings an entry from L2 while a write evicts it there: key -> the report that said so
+        # (recent ones); a report at or below _gone_floor may have evicted any key.
+        self._reports = 0
+        self._l2_gone: OrderedDict[str, int] = OrderedDict()
+        self._gone_floor = 0
+        # keys whose discard's L2 delete is queued (-> how many): not asked of L2 until it ran
+        self._deleting: dict[str, int] = {}
 
     # --- the engine's interface ------------------------------------------------------------
     def boundaries(self, n_prompt: int) -> list[int]:
@@ -139,8 +173,11 @@ class PrefixCache:
         keys = dict(zip(lengths, self._keys(ids, lengths)))
         with self._lock:
             best = next(((n, e) for n in lengths if (e := self.l1.get(keys[n])) is not None), None)
-        # Only a longer prefix is worth a round trip to the cache process.
-        found = self._lookup_l2({keys[n]: n for n in lengths if best is None or n > best[0]})
+            # Only a longer prefix is worth a round trip to the cache process; never one that
+            # was discarded and is still to be deleted there.
+            wanted = {keys[n]: n for n in lengths
+                      if (best is None or n > best[0]) and keys[n] not in self._deleting}
+        found = self._lookup_l2(wanted)
         if found is not None:
             return found
         with self._lock:  # a lookup is counted with its outcome, never before it
@@ -172,18 +209,29 @@ class PrefixCache:
 
     def discard(self, ids: Sequence[int]) -> None:
         """Drop the snapshot stored after exactly `ids` from both tiers: it did not fit the
-        loaded model (engine/prefix.py check_fits), so it would never be restored anyway."""
+        loaded model (engine/prefix.py check_fits), so it would never be restored anyway.
+
+        Never waits for the cache process: the L2 delete is queued for the writer, behind every
+        write queued before (so a write of this snapshot still queued or under way lands first
+        and is deleted after: the discard wins), and a write of the L1 entry not yet sent is
+        skipped. A snapshot inserted under the same key afterwards is written after the delete;
+        until the delete ran, lookups do not ask L2 for the key."""
         key = self._keys(ids, [len(ids)])[0]
         with self._lock:
             self._stats.mismatch_dropped += 1
-            self.l1.pop(key)
+            entry = self.l1.pop(key)
+            if entry is not None:
+                entry.discarded = True
+            if self.l2 is not None:
+                self._deleting[key] = self._deleting.get(key, 0) + 1
+                self._start_writer()
         if self.l2 is not None:
-            self.l2.delete(key)
+            self._writes.put_nowait(("delete", key, None, None))
 
     # --- housekeeping ----------------------------------------------------------------------
     def wait_writes(self, timeout: float | None = None) -> bool:
-        """Wait (up to `timeout` s) until every queued L2 write was stored by the cache process
-        (or failed)."""
+        """Wait (up to `timeout` s) until every queued L2 write (and discard's delete) was
+        handled by the cache process (or failed)."""
         q = self._writes
         with q.all_tasks_done:
             return q.all_tasks_done.wait_for(lambda: q.unfinished_tasks == 0, timeout)
@@ -233,6 +281,8 @@ class PrefixCache:
         keys = list(wanted)
         if self.l2 is None or not keys:
             return None
+        with self._lock:  # eviction reports after this may concern the entry this brings back
+            mark = self._reports
         while keys:
             got = self.l2.get_first(keys)
             if got is None:
@@ -257,7 +307,7 @@ class PrefixCache:
                 self._stats.lookups += 1
                 self._stats.l2.hits += 1
                 self._stats.l2.hit_tokens += n
-            self._put_l1(key, L1Entry(n, snap, snap.nbytes, in_l2=True))
+            self._put_l1(key, L1Entry(n, snap, snap.nbytes, in_l2=True), l2_mark=mark)
             return n, snap
         return None
 
@@ -293,14 +343,20 @@ class PrefixCache:
                 self._write_failed(key, entry)
             return
         with self._lock:
-            if self._writer is None:
-                self._writer = threading.Thread(target=self._write_loop, name="dflash-l2-writer", daemon=True)
-                self._writer.start()
-        try:
-            self._writes.put_nowait((key, body, entry))
-        except queue.Full:
-            with self._lock:
+            self._start_writer()
+            full = self._queued_puts >= self._max_pending_writes
+            if full:
                 self._write_failed(key, entry)
+            else:
+                self._queued_puts += 1
+        if not full:
+            self._writes.put_nowait(("put", key, body, entry))
+
+    def _start_writer(self) -> None:
+        """(Lock held.)"""
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name="dflash-l2-writer", daemon=True)
+            self._writer.start()
 
     def _write_failed(self, key: str, entry: L1Entry) -> None:
         """(Lock held.) A write that did not land. An entry L1 still holds is spilled again when
@@ -314,36 +370,106 @@ class PrefixCache:
                         "write failed: it is in neither tier", key)
 
     def _write_loop(self) -> None:
-        """The writer thread: bytes for each queued body, stored by the cache process in order;
-        an entry counts as in L2 once the process acknowledged its write."""
+        """The writer thread: the queued writes and deletes, handled by the cache process in
+        order; an entry counts as in L2 once the process acknowledged its write."""
         while True:
-            key, body, entry = self._writes.get()
-            ok = too_large = False
+            op, key, body, entry = self._writes.get()
             try:
-                data = fmt.encode(body, key)
-                del body
-                if self.l2_max_bytes is not None and len(data) > self.l2_max_bytes:
-                    too_large = True
+                if op == "delete":
+                    self._delete(key)
                 else:
-                    ok = self.l2 is not None and self.l2.put(key, data, wait=True)
-            except Exception:
-                log.exception("could not write snapshot %s", key)
+                    assert body is not None and entry is not None
+                    self._store(key, body, entry)
+            except Exception:  # never let the writer die: later writes still need it
+                log.exception("L2 %s of %s failed", op, key)
             finally:
-                body = data = None
-                with self._lock:  # the outcome and the flags together: _spill sees one or the other
-                    if too_large:
-                        self._stats.l2_too_large += 1
-                        entry.pending = False
-                    elif ok:
-                        entry.in_l2 = True
-                        entry.pending = False
-                        self._stats.l2_writes += 1
-                    else:
-                        self._write_failed(key, entry)
+                body = entry = None
                 self._writes.task_done()
 
-    def _put_l1(self, key: str, entry: L1Entry) -> None:
+    def _delete(self, key: str) -> None:
+        """(Writer thread.) A discard's delete, behind every write queued before it."""
+        assert self.l2 is not None
+        try:
+            if not self.l2.delete(key):
+                log.warning("could not delete discarded snapshot %s from L2 (cache process not "
+                            "available): a lookup that finds it drops it again", key)
+        finally:
+            with self._lock:
+                left = self._deleting.pop(key) - 1
+                if left:
+                    self._deleting[key] = left
+
+    def _store(self, key: str, body: dict[str, Any], entry: L1Entry) -> None:
+        """(Writer thread.) Encode and write one snapshot, then record the outcome and what the
+        cache process evicted for it."""
         with self._lock:
+            self._queued_puts -= 1
+            if entry.discarded:  # discarded while queued: never sent (its delete follows)
+                entry.pending = False
+                self._stats.l2_discarded_writes += 1
+                return
+        ok = too_large = False
+        evicted: list[str] | None = []
+        try:
+            data = fmt.encode(body, key)
+            del body
+            if self.l2_max_bytes is not None and len(data) > self.l2_max_bytes:
+                too_large = True
+            elif self.l2 is not None:
+                written = self.l2.write(key, data)
+                ok, evicted = written.stored, written.evicted
+        except Exception:
+            log.exception("could not write snapshot %s", key)
+        finally:
+            body = data = None
+            with self._lock:  # the outcome and the flags together: _spill sees one or the other
+                self._evicted_from_l2(evicted)
+                if too_large:
+                    self._stats.l2_too_large += 1
+                    entry.pending = False
+                elif ok:
+                    entry.pending = False
+                    self._stats.l2_writes += 1
+                    if entry.discarded:  # landed after its discard: the queued delete removes it
+                        self._stats.l2_discarded_writes += 1
+                    else:
+                        entry.in_l2 = True
+                else:
+                    self._write_failed(key, entry)
+
+    def _evicted_from_l2(self, keys: list[str] | None) -> None:
+        """(Lock held.) The cache process evicted `keys` (None: maybe anything) to make room for
+        a write: L1 entries under them are in L2 no more, and L1 spills them when it evicts them.
+        Remembered for a lookup that is bringing one of them back from L2 right now."""
+        self._reports += 1
+        if keys is None:
+            self._stats.l2_unanswered_writes += 1
+            self._gone_floor = self._reports
+            held = [e for e in self.l1.values() if e.in_l2]
+        else:
+            held = [e for k in keys if (e := self.l1.peek(k)) is not None and e.in_l2]
+            for k in keys:
+                self._l2_gone[k] = self._reports
+                self._l2_gone.move_to_end(k)
+            while len(self._l2_gone) > MAX_GONE:
+                _, report = self._l2_gone.popitem(last=False)
+                self._gone_floor = max(self._gone_floor, report)
+        for e in held:
+            e.in_l2 = False
+            self._stats.l2_evicted_in_l1 += 1
+        if held:
+            log.info("L2 evicted %d snapshot(s) L1 holds: spilled again when L1 evicts them", len(held))
+
+    def _gone_since(self, key: str, mark: int) -> bool:
+        """(Lock held.) Whether an eviction report after report `mark` may have named `key`."""
+        return self._gone_floor > mark or self._l2_gone.get(key, 0) > mark
+
+    def _put_l1(self, key: str, entry: L1Entry, l2_mark: int | None = None) -> None:
+        """Put `entry` in L1 and spill what that evicts. `l2_mark`: the entry comes from L2 as
+        of eviction report `l2_mark`; a write since may have evicted it there."""
+        with self._lock:
+            if l2_mark is not None and self._gone_since(key, l2_mark):
+                entry.in_l2 = False
             evicted = self.l1.put(key, entry)
         self._spill(evicted)
 
