@@ -118,7 +118,8 @@ def _finite(ctx, param, value):
 
 
 def sampling_options(f):
-    """--temperature / --top-p / --top-k / --min-p / --seed, range-checked (None: not given)."""
+    """--temperature / --top-p / --top-k / --min-p / --min-tokens-to-keep / --seed, range-checked (None: not
+    given)."""
     opts = [
         click.option("--temperature", "-t", type=click.FloatRange(min=0), default=None, callback=_finite,
                      help="Sampling temperature; 0 = greedy. [default: the daemon's, normally 0]"),
@@ -128,6 +129,9 @@ def sampling_options(f):
                      help="Keep the k most likely tokens; 0 = off."),
         click.option("--min-p", type=click.FloatRange(0, 1), default=None, callback=_finite,
                      help="Keep the tokens at least this fraction as likely as the most likely one; 0 = off."),
+        click.option("--min-tokens-to-keep", type=click.IntRange(min=1), default=None,
+                     help="With --min-p: the number of most likely tokens min-p always keeps (mlx-lm's "
+                          "min_tokens_to_keep). [default: the daemon's, normally 1]"),
         click.option("--seed", type=click.IntRange(0, (1 << 64) - 1), default=None,
                      help="Random seed; default: a random one (printed with --stats, and in --json). The same seed repeats the same ids when the daemon's verify_window is fixed."),
     ]
@@ -245,8 +249,8 @@ def _positions(ctx, param, value: str | None) -> list[int] | None:
 @processor_options
 @click.pass_obj
 def prompt(client: DFlashClient, text, max_tokens, system, stop, priority, raw, as_json, cache, positions,
-           positions_name, show_stats, verify_window, compare_plain, temperature, top_p, top_k, min_p, seed,
-           **processors):
+           positions_name, show_stats, verify_window, compare_plain, temperature, top_p, top_k, min_p,
+           min_tokens_to_keep, seed, **processors):
     """Generate from TEXT (stdin when omitted), streaming to stdout. Ctrl-C cancels the job.
 
     Sampling flags left out take the daemon's defaults (greedy unless its config says otherwise)."""
@@ -255,7 +259,8 @@ def prompt(client: DFlashClient, text, max_tokens, system, stop, priority, raw, 
         _require_utf8(value, what)
     job = dict(max_tokens=max_tokens, system=system, stop=stop, priority=priority, raw=raw,
                positions=positions or None, positions_name=positions_name,  # --positions "": none, as before
-               temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, **processors)
+               temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+               min_tokens_to_keep=min_tokens_to_keep, seed=seed, **processors)
     try:  # a value the client refuses (e.g. a --positions-name that is not UTF-8) is one line, exit 2
         stream = client.stream(text, cache=cache, verify_window=verify_window, **job)
     except E.DFlashError as e:
@@ -293,7 +298,8 @@ def _plain_run(client: DFlashClient, text: str, job: dict, res: Result) -> dict:
     snapshots neither help nor change): its speed against `res`'s, and whether the ids agree."""
     sampling = res.stats.get("sampling") or {}
     seeded = {**job, "temperature": sampling.get("temperature"), "top_p": sampling.get("top_p"),
-              "top_k": sampling.get("top_k"), "seed": sampling.get("seed"), "min_p": sampling.get("min_p")}
+              "top_k": sampling.get("top_k"), "seed": sampling.get("seed"), "min_p": sampling.get("min_p"),
+              "min_tokens_to_keep": sampling.get("min_tokens_to_keep")}
     try:
         other = client.generate(text, cache="bypass", verify_window=1, **seeded)
     except KeyboardInterrupt:

@@ -82,13 +82,15 @@ def make_submit(
     presence_context_size: int | None = None,
     frequency_penalty: float | None = None,
     frequency_context_size: int | None = None,
+    min_tokens_to_keep: int | None = None,
 ) -> P.Submit:
     """A Submit from a text prompt (str), a list of chat messages (dicts) or a list of token ids.
 
     cache: "use" (default), "bypass" or "refresh"; positions / positions_name: sparse prefill of
     those indices of the prompt's token ids (a list given here, or one stored by name).
-    temperature (0 = greedy), top_p (1 = off), top_k (0 = off), seed (0..2^64-1), min_p (0 = off):
-    sampling, as mlx-lm's make_sampler takes them; logit_bias ({token id: bias}), repetition_penalty
+    temperature (0 = greedy), top_p (1 = off), top_k (0 = off), seed (0..2^64-1), min_p (0 = off),
+    min_tokens_to_keep (the tokens min-p always keeps, >= 1; mlx-lm's default 1): sampling, as
+    mlx-lm's make_sampler takes them; logit_bias ({token id: bias}), repetition_penalty
     (1 = off), presence_penalty, frequency_penalty (0 = off) and their *_context_size (20): mlx-lm's
     make_logits_processors. None leaves each to the daemon's configured default (greedy unless its config says otherwise).
     verify_window: this job's tokens per verify, "auto", "full" or 1..block size (1 = plain
@@ -109,6 +111,7 @@ def make_submit(
                    presence_penalty=_opt_float(presence_penalty, "presence_penalty"),
                    frequency_penalty=_opt_float(frequency_penalty, "frequency_penalty"),
                    **{k: None if v is None else _int(v, k) for k, v in (
+                       ("min_tokens_to_keep", min_tokens_to_keep),
                        ("repetition_context_size", repetition_context_size),
                        ("presence_context_size", presence_context_size),
                        ("frequency_context_size", frequency_context_size))})
@@ -414,8 +417,8 @@ class DFlashClient:
 
     def generate(self, prompt: Any, **kw: Any) -> Result:
         """Run one job to completion and return its Result (streamed underneath). Keywords are
-        make_submit's: max_tokens, stop, system, temperature, top_p, top_k, seed, min_p, verify_window,
-        cache, ..."""
+        make_submit's: max_tokens, stop, system, temperature, top_p, top_k, seed, min_p,
+        min_tokens_to_keep, verify_window, cache, ..."""
         with self.stream(prompt, **kw) as s:
             for _ in s:
                 pass

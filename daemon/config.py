@@ -3,7 +3,7 @@
 One dataclass holds every setting; `load_config` applies the four layers in that order. The file
 is `--config PATH`, else $DFLASH_CONFIG, else ~/.config/dflash/config.toml (if present): top-level
 keys or a [daemon] table, plus a [generation] table for the sampling defaults (temperature, top_p,
-top_k, seed, min_p, and the penalties of docs/sampling.md) used when a request leaves them unset. Each field `name` can be set by the env var
+top_k, seed, min_p, min_tokens_to_keep, and the penalties of docs/sampling.md) used when a request leaves them unset. Each field `name` can be set by the env var
 DFLASH_<NAME> (e.g. DFLASH_MAX_QUEUE=128, DFLASH_TEMPERATURE=0.7).
 """
 
@@ -75,6 +75,7 @@ class DaemonConfig:
     top_k: int = 0  # 0 = off
     seed: int | None = None  # None: each sampled job draws a random seed
     min_p: float = 0.0  # 0 = off
+    min_tokens_to_keep: int = 1  # the tokens min-p always keeps (mlx-lm's default 1)
     repetition_penalty: float = 1.0  # 1 = off (mlx-lm's logits processors)
     repetition_context_size: int = 20
     presence_penalty: float = 0.0  # 0 = off
@@ -168,7 +169,8 @@ class DaemonConfig:
         if verify_window_problem(self.window()) is not None:
             raise ValueError(f"verify_window must be auto, full or a number of tokens >= 1, got {self.verify_window!r}")
 
-        problem = (sampling_problem(self.temperature, self.top_p, self.top_k, self.seed, self.min_p)
+        problem = (sampling_problem(self.temperature, self.top_p, self.top_k, self.seed, self.min_p,
+                                    self.min_tokens_to_keep)
                    or processors_problem({k: getattr(self, k) for k in PENALTY_FIELDS}))
         if problem is not None:
             raise ValueError(f"[generation] {problem[1]}")

@@ -18,6 +18,7 @@ import re
 import signal
 import time
 import uuid
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -100,6 +101,118 @@ def json_error(err: S.ApiError) -> web.Response:
     return web.json_response(err.body(), status=err.status, headers=headers)
 
 
+# ----------------------------------------------------------------------------- aiohttp's own answers
+# Two kinds of answer are made by aiohttp itself, outside the application, so no middleware sees
+# them, and were aiohttp's text/plain:
+# * a request its HTTP parser refuses (a broken request line, method, version or header, a bad
+#   Content-Length or Transfer-Encoding, a line over 8190 bytes, too many headers, a missing Host,
+#   broken chunked framing or a Content-Encoding it cannot decode in what it has read, TLS or
+#   HTTP/2 on this plain HTTP/1.1 port): the connection handler's `handle_error` answers it,
+#   the request never routed. aiohttp's status is 400 for every one of them (its parser does not
+#   say whether an over-long line was the request line, a 414, or a header, a 431), kept here;
+# * an HTTPException raised before the middlewares: the only one is the 417 of aiohttp's default
+#   Expect handler, for an `Expect` other than 100-continue on a path no route has (the routes
+#   have the gateway's own handler, which answers in JSON).
+# The gateway's connections are JsonErrorConnection, which answers both in OpenAI's shape with the
+# same status, logging and closed connection.
+PARSE_MESSAGE_MAX = 300  # characters of aiohttp's parser message kept (it quotes the offending bytes)
+
+
+def http_exception_error(request: web.BaseRequest, e: web.HTTPException) -> S.ApiError:
+    """An aiohttp HTTPException (unknown route, wrong method, a refused Expect, ...) as an OpenAI error."""
+    kind = "not_found_error" if e.status == 404 else "server_error" if e.status >= 500 else "invalid_request_error"
+    what = f"{e.reason}: {request.method} {request.path}"
+    # aiohttp's own text is "<status>: <reason>"; anything else says more, so keep it
+    if e.text and e.text != f"{e.status}: {e.reason}":
+        what = f"{what}: {e.text}"
+    return S.ApiError(e.status, what, kind, code="expectation_failed" if e.status == 417 else None)
+
+
+def parse_error(status: int, exc: BaseException | None, message: str | None) -> S.ApiError:
+    """The OpenAI error for an answer aiohttp's `handle_error` makes: a request its parser refused
+    (4xx), or a handler failure that escaped the middlewares (5xx; they catch everything but a
+    client that left, so such an answer reaches nobody in practice)."""
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        phrase = "Error"
+    if status >= 500:
+        return S.ApiError(status, f"{phrase}: internal gateway error", "server_error", code="internal")
+    text = message or (str(getattr(exc, "message", "") or exc) if exc is not None else "") or phrase
+    # aiohttp's parser messages span lines: a description, the offending bytes, a caret under them
+    detail = " ".join(ln for ln in (x.strip() for x in text.splitlines()) if ln and set(ln) != {"^"})
+    if len(detail) > PARSE_MESSAGE_MAX:
+        detail = detail[:PARSE_MESSAGE_MAX] + "..."
+    return S.ApiError(status, f"invalid HTTP request: {detail}", "invalid_request_error", code="invalid_http")
+
+
+class JsonErrorConnection(web.RequestHandler):
+    """aiohttp's connection handler (one per TCP connection), answering the errors aiohttp makes
+    itself, outside the application, in OpenAI's shape. `metrics`: the gateway's, set on a
+    per-gateway subclass (json_connection_errors), which counts each such answer under the route
+    "other", as the middleware counts the others."""
+
+    __slots__ = ()  # aiohttp's layout exactly: json_connection_errors swaps the class of its handlers
+    metrics: GatewayMetrics | None = None
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # aiohttp's logging; raises once an answer began
+        if self.metrics is not None and status < 500:  # a 5xx here escaped the middleware, which counted it
+            self.metrics.request("other", status)
+        resp = json_error(parse_error(status, exc, message))
+        resp.force_close()  # as aiohttp's: after a parse error the rest of the connection is not trusted
+        return resp
+
+    async def finish_response(self, request: Any, resp: web.StreamResponse,
+                              start_time: float | None) -> tuple[web.StreamResponse, bool]:
+        """Every answer goes out here; an HTTPException raised outside the middlewares (aiohttp's
+        default Expect handler's 417) is answered in JSON instead, before anything was written."""
+        if isinstance(resp, web.HTTPException) and resp.status >= 400 and request.writer.output_size == 0:
+            if self.metrics is not None:
+                self.metrics.request("other", resp.status)
+            err = http_exception_error(request, resp)
+            resp = json_error(err)
+            resp.force_close()  # a refused Expect: the body the client holds back is never read
+        return await super().finish_response(request, resp, start_time)
+
+
+def json_connection_errors(server: web.Server, metrics: GatewayMetrics | None = None) -> bool:
+    """Make an aiohttp server's connection handlers JsonErrorConnection. `server` is a set-up
+    runner's `runner.server` (aiohttp makes it from the application in `runner.setup()`, and
+    calls it for each accepted connection). aiohttp has no setting for its handler class, so the
+    server's class is swapped for a subclass whose `__call__` re-classes each handler it makes as
+    the JSON one, which adds no slot to aiohttp's (Python allows the swap only between classes of
+    the same layout). Returns False, with a warning, where this aiohttp's classes do not allow it:
+    its own errors then stay text/plain."""
+    conn_cls = type("GatewayConnection", (JsonErrorConnection,), {"__slots__": (), "metrics": metrics})
+
+    class JsonErrorServer(type(server)):  # type: ignore[misc, valid-type]
+        def __call__(self) -> web.RequestHandler:
+            handler = super().__call__()
+            if type(handler) is web.RequestHandler:
+                handler.__class__ = conn_cls
+            return handler
+
+    try:
+        web.RequestHandler.__new__(web.RequestHandler).__class__ = conn_cls  # the handlers' swap, tried once
+        server.__class__ = JsonErrorServer
+    except TypeError as e:
+        log.warning("aiohttp's connection handler cannot be replaced (%s): its own errors stay text/plain", e)
+        return False
+    return True
+
+
+async def start_runner(gw: "Gateway", **kwargs: Any) -> web.AppRunner:
+    """The gateway's app in a set-up aiohttp AppRunner (its sites not started yet), whose
+    connections answer aiohttp's own errors in OpenAI's shape too."""
+    runner = web.AppRunner(gw.app(), **kwargs)
+    await runner.setup()
+    assert runner.server is not None
+    json_connection_errors(runner.server, gw.metrics)
+    return runner
+
+
 class Gateway:
     """The aiohttp application and the state it shares across requests."""
 
@@ -115,7 +228,8 @@ class Gateway:
         # "apply": sampling applied, unapplied fields (none today) ignored and listed in a header;
         # "reject": those are a 400 instead; "greedy": every answer greedy, sampling fields listed.
         self.sampling = sampling
-        # For requests that leave temperature / top_p / top_k / min_p out (None here: the daemon's default).
+        # For requests that leave temperature / top_p / top_k / min_p / min_tokens_to_keep out (None
+        # here: the daemon's default).
         self.default_sampling = {k: v for k, v in (default_sampling or {}).items() if v is not None}
         self.model_name = model_name
         self.metrics = GatewayMetrics()
@@ -184,13 +298,7 @@ class Gateway:
         if isinstance(e, web.HTTPRequestEntityTooLarge):
             return S.ApiError(413, f"request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
         if isinstance(e, web.HTTPException):
-            kind = ("not_found_error" if e.status == 404 else "server_error" if e.status >= 500
-                    else "invalid_request_error")
-            what = f"{e.reason}: {request.method} {request.path}"
-            # aiohttp's own text is "<status>: <reason>"; anything else says more, so keep it
-            if e.text and e.text != f"{e.status}: {e.reason}":
-                what = f"{what}: {e.text}"
-            return S.ApiError(e.status, what, kind)
+            return http_exception_error(request, e)
         log.error("gateway error on %s", request.path, exc_info=e)  # a bug here: answer 500, keep serving
         return S.ApiError(500, f"internal gateway error: {type(e).__name__}", "server_error", code="internal")
 
@@ -341,7 +449,8 @@ class Gateway:
         left to the daemon's config) and the fields that were sent but will not be applied."""
         if self.sampling == "greedy":
             asked = [k for k, on in (("temperature", (req.temperature or 0) > 0), ("top_p", (req.top_p or 1) < 1),
-                                     ("top_k", (req.top_k or 0) > 1), ("min_p", (req.min_p or 0) > 0)) if on]
+                                     ("top_k", (req.top_k or 0) > 1), ("min_p", (req.min_p or 0) > 0),
+                                     ("min_tokens_to_keep", (req.min_tokens_to_keep or 1) > 1)) if on]
             return {"temperature": 0.0, **req.processors}, asked + req.unapplied  # processors: deterministic
         if req.unapplied and self.sampling == "reject":
             raise S.bad(f"this server does not apply {', '.join(req.unapplied)}: leave them out or at their "
@@ -486,8 +595,7 @@ def check_port(host: str, port: int) -> None:
 async def run_gateway(gw: Gateway, host: str, port: int, on_ready: Callable[[str], None]) -> None:
     """Serve until SIGINT/SIGTERM. A client that disconnects cancels its handler (and so its job).
     A host:port it cannot listen on is a ClickException (one line), after cleaning up."""
-    runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
-    await runner.setup()
+    runner = await start_runner(gw, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     try:
         try:
             await web.TCPSite(runner, host, port).start()
@@ -531,10 +639,10 @@ def _daemon_options(f: Any) -> Any:
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(1024), help="Request body cap.")
 @click.option("--default-max-tokens", default=512, show_default=True, type=click.IntRange(1), help="When a request sets none.")
 @click.option("--sampling", type=click.Choice(["apply", "reject", "greedy"]), default="apply", show_default=True,
-              help="apply: sampling (temperature/top_p/top_k/min_p/seed) and logits processors (logit_bias, "
-                   "penalties) applied; a field that is not would be ignored and listed in x-dflash-sampling-ignored. "
-                   "reject: such a field is a 400. greedy: every answer greedy (processors still applied), the "
-                   "sampling fields sent listed in the header.")
+              help="apply: sampling (temperature/top_p/top_k/min_p/min_tokens_to_keep/seed) and logits processors "
+                   "(logit_bias, penalties) applied; a field that is not would be ignored and listed in "
+                   "x-dflash-sampling-ignored. reject: such a field is a 400. greedy: every answer greedy "
+                   "(processors still applied), the sampling fields sent listed in the header.")
 @click.option("--default-temperature", type=click.FloatRange(min=0), default=None,
               help="For requests without a temperature (default: the daemon's [generation] temperature, normally 0).")
 @click.option("--default-top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
@@ -543,14 +651,16 @@ def _daemon_options(f: Any) -> Any:
               help="For requests without top_k (default: the daemon's, normally 0 = off).")
 @click.option("--default-min-p", type=click.FloatRange(0, 1), default=None,
               help="For requests without min_p (default: the daemon's, normally 0 = off).")
+@click.option("--default-min-tokens-to-keep", type=click.IntRange(min=1), default=None,
+              help="For requests without min_tokens_to_keep (default: the daemon's, normally 1).")
 @click.option("--attach", is_flag=True, help="Only attach to a running daemon; never start one.")
 @click.option("--stop-daemon", is_flag=True, help="Stop the daemon on exit if this command started it.")
 @click.option("--wait", "wait_s", default=120.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Seconds to wait for a started daemon's model.")
 @click.pass_context
 def serve_command(ctx, config_path, host, port, api_key, served_model_name, max_body_bytes, default_max_tokens,
-                  sampling, default_temperature, default_top_p, default_top_k, default_min_p, attach, stop_daemon,
-                  wait_s, **flags):
+                  sampling, default_temperature, default_top_p, default_top_k, default_min_p,
+                  default_min_tokens_to_keep, attach, stop_daemon, wait_s, **flags):
     """OpenAI-compatible HTTP API over dflashd (starts the daemon, or attaches to a running one)."""
     from . import cli as dcli
 
@@ -558,7 +668,8 @@ def serve_command(ctx, config_path, host, port, api_key, served_model_name, max_
 
     if not is_loopback(host) and not api_key:
         raise click.ClickException(f"binding {host} (not loopback) needs --api-key (or DFLASH_API_KEY)")
-    problem = P.sampling_problem(default_temperature, default_top_p, default_top_k, min_p=default_min_p)
+    problem = P.sampling_problem(default_temperature, default_top_p, default_top_k, min_p=default_min_p,
+                                 min_tokens_to_keep=default_min_tokens_to_keep)
     if problem is not None:
         raise click.BadParameter(problem[1], param_hint=f"--default-{problem[0].replace('_', '-')}")
     cfg = dcli._resolve(config_path, **flags)
@@ -575,7 +686,7 @@ def serve_command(ctx, config_path, host, port, api_key, served_model_name, max_
     gw = Gateway(cfg.resolved_endpoint(), cfg, api_key=api_key, max_body_bytes=max_body_bytes,
                  default_max_tokens=default_max_tokens, sampling=sampling, model_name=served_model_name,
                  default_sampling={"temperature": default_temperature, "top_p": default_top_p, "top_k": default_top_k,
-                                   "min_p": default_min_p})
+                                   "min_p": default_min_p, "min_tokens_to_keep": default_min_tokens_to_keep})
 
     def ready(url: str) -> None:
         click.echo(f"dflash serve: listening on {url} (daemon at {cfg.resolved_endpoint()})", err=False)

@@ -13,7 +13,8 @@ from typing import Any, Callable
 
 from . import protocol as P
 
-# Sampling the engine applies (top_k and min_p are vLLM's extra fields). Absent or null: the server default.
+# Sampling the engine applies (top_k and min_p are vLLM's extra fields, min_tokens_to_keep mlx-lm's
+# make_sampler argument, an extra field here). Absent or null: the server default.
 SAMPLING = P.SAMPLING_FIELDS
 # Logits processors the engine applies (mlx-lm's make_logits_processors): OpenAI's logit_bias,
 # presence_penalty and frequency_penalty, vLLM's repetition_penalty, and mlx-lm server's context
@@ -92,6 +93,7 @@ class GenRequest:
     top_k: int | None = None
     seed: int | None = None
     min_p: float | None = None
+    min_tokens_to_keep: int | None = None
     processors: dict[str, Any] = field(default_factory=dict)  # logit_bias and penalties the request set
     unapplied: list[str] = field(default_factory=list)  # sampling fields asking for what is not applied
     verify_window: str | int | None = None  # the job's own window (None: the daemon's)
@@ -234,13 +236,14 @@ def _check_unsupported(body: dict) -> None:
 
 
 def _sampling(body: dict, req: GenRequest) -> None:
-    """temperature, top_p, top_k (-1 = off, as in vLLM), seed and min_p onto the request, range-checked
-    by the daemon's own rules (so a bad value is a 400 naming its field, not a failed job)."""
+    """temperature, top_p, top_k (-1 = off, as in vLLM), seed, min_p and min_tokens_to_keep onto the
+    request, range-checked by the daemon's own rules (so a bad value is a 400 naming its field, not a
+    failed job)."""
     for name in SAMPLING:
         v = body.get(name)
         if v is None:
             continue
-        if name in ("top_k", "seed"):
+        if name in ("top_k", "seed", "min_tokens_to_keep"):
             if isinstance(v, float) and v.is_integer():
                 v = int(v)  # some clients send 40.0
             if isinstance(v, bool) or not isinstance(v, int):
@@ -252,7 +255,7 @@ def _sampling(body: dict, req: GenRequest) -> None:
         elif isinstance(v, bool) or not isinstance(v, (int, float)):
             raise bad(f"'{name}' must be a number", name, "invalid_type")
         setattr(req, name, float(v) if name in ("temperature", "top_p", "min_p") else v)
-    problem = P.sampling_problem(req.temperature, req.top_p, req.top_k, req.seed, req.min_p)
+    problem = P.sampling_problem(req.temperature, req.top_p, req.top_k, req.seed, req.min_p, req.min_tokens_to_keep)
     if problem is not None:
         field_name, message = problem
         if field_name == "top_k":
@@ -384,8 +387,8 @@ def _template_args(v: Any) -> dict | None:
 # ("max_tokens must be in 1..8192"), the prompt checks speak of the prompt, its token ids or
 # messages (or, over max_frame_bytes, of the frame the prompt made too big).
 _QUOTED_FIELD = re.compile(r"\bfield '(\w+)'")
-_LEADING_FIELD = re.compile(r"(max_tokens|temperature|top_p|top_k|seed|min_p|verify[_ ]window|logit_bias|"
-                            r"(?:repetition|presence|frequency)_(?:penalty|context_size))\b")
+_LEADING_FIELD = re.compile(r"(max_tokens|temperature|top_p|top_k|seed|min_p|min_tokens_to_keep|verify[_ ]window|"
+                            r"logit_bias|(?:repetition|presence|frequency)_(?:penalty|context_size))\b")
 _PROMPT_WORDS = re.compile(r"\b(prompt|token ids?|messages?|frame of)\b", re.IGNORECASE)
 
 
@@ -434,8 +437,8 @@ def usage(stats: dict) -> dict[str, Any]:
 
 def engine_facts(job_id: str, stats: dict) -> dict[str, Any]:
     """The `dflash` extension field: the job, the sampling the worker applied (temperature, top_p,
-    top_k, seed: the one drawn when none was given, min_p), its verify window and the speculative-decoding
-    numbers."""
+    top_k, seed: the one drawn when none was given, min_p, min_tokens_to_keep), its verify window
+    and the speculative-decoding numbers."""
     keys = ("verify_window", "acceptance", "tokens_per_cycle", "cycles", "accepted_drafts", "ttft_s", "prefill_tps",
             "decode_tps")
     return {"job_id": job_id, "sampling": stats.get("sampling"), **{k: stats.get(k) for k in keys}}

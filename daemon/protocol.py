@@ -9,9 +9,11 @@ sends can make it raise anything else.
 Versions: 1 (the first); 2 appends temperature, top_p, top_k and seed to `submit` and adds the
 `bad_sampling` code; 3 appends `verify_window` to `submit` (one job's verify window: "auto",
 "full" or a token count; plain decoding with 1); 4 appends `min_p` and the logits processors
-(`logit_bias`, the repetition / presence / frequency penalties and their context sizes) to `submit`. A message of another version is refused with `bad_version`, naming both
+(`logit_bias`, the repetition / presence / frequency penalties and their context sizes) to `submit`;
+5 appends `min_tokens_to_keep` (how many tokens min-p always keeps) to `submit`. A message of
+another version is refused with `bad_version`, naming both
 versions (`version_error`); the `error`, `done` and `status` layouts are unchanged since 1, so
-an error answering a version-1 or -2 request is stamped with that version and an old client reads it as the
+an error answering a request of an older version is stamped with that version and an old client reads it as the
 typed error it is, instead of failing to decode it. A new op (`cache_clear`) is not a new
 version: no older client sends it, and an older worker answers it `unknown_op`, which every
 client reads; the version changes only when an existing message's layout does.
@@ -27,10 +29,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterator, Union
 
-VERSION = 4
+VERSION = 5
 # Older versions whose error replies share this version's layout: an error answering a request of
 # one of these is stamped with the request's version, so that peer can decode it.
-OLDER_VERSIONS = (1, 2, 3)
+OLDER_VERSIONS = (1, 2, 3, 4)
 PARAM_SINCE = 3  # the version that appended `param` to `error` (older layouts lack it)
 
 # Error codes (replies of type "error"); clients map them to exception classes.
@@ -50,7 +52,7 @@ INTERNAL = "internal"
 BAD_POSITIONS = "bad_positions"  # sparse positions out of order, out of range, or empty
 SPARSE_WITH_CACHE = "sparse_with_cache"  # sparse prefill asked to use/refresh the prefix cache
 CACHE_UNAVAILABLE = "cache_unavailable"  # the cache process (position lists) is not reachable
-BAD_SAMPLING = "bad_sampling"  # temperature / top_p / top_k / seed (v2), min_p, processors (v4) out of range
+BAD_SAMPLING = "bad_sampling"  # temperature / top_p / top_k / seed (v2), min_p, processors (v4), min_tokens_to_keep (v5)
 
 CACHE_POLICIES = ("use", "bypass", "refresh")
 
@@ -81,17 +83,19 @@ def version_error(peer: Any, what: str, me: str) -> ProtocolError:
                          f"this {me} speaks version {VERSION} ({hint})", peer_version=peer)
 
 
-# a submit's sampling, mlx-lm's names: the first four came with version 2, min_p with 4
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "min_p")
+# a submit's sampling, mlx-lm's names: the first four came with version 2, min_p with 4,
+# min_tokens_to_keep with 5
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "min_p", "min_tokens_to_keep")
 
 
 def sampling_problem(temperature: Any = None, top_p: Any = None, top_k: Any = None,
-                     seed: Any = None, min_p: Any = None) -> tuple[str, str] | None:
+                     seed: Any = None, min_p: Any = None, min_tokens_to_keep: Any = None) -> tuple[str, str] | None:
     """(field, message) for the first sampling value out of range, else None (None = unset).
 
     temperature >= 0 (0 = greedy), 0 < top_p <= 1 (1 = off), top_k >= 0 (0 = off), seed in
-    0..2^64-1, 0 <= min_p <= 1 (0 = off); the same rules as the engine's, checked here so a bad
-    value never reaches a job."""
+    0..2^64-1, 0 <= min_p <= 1 (0 = off), min_tokens_to_keep an integer in 1..2^64-1 (1 =
+    mlx-lm's default); the same rules as the engine's, checked here so a bad value never reaches
+    a job."""
     def number(v: Any) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -108,6 +112,9 @@ def sampling_problem(temperature: Any = None, top_p: Any = None, top_k: Any = No
         return "seed", f"seed must be an integer in 0..2^64-1, got {seed!r}"
     if min_p is not None and not (number(min_p) and 0 <= min_p <= 1):
         return "min_p", f"min_p must be in [0, 1] (0 = off), got {min_p!r}"
+    if min_tokens_to_keep is not None and not (integer(min_tokens_to_keep) and 1 <= min_tokens_to_keep <= SEED_MAX):
+        return ("min_tokens_to_keep", "min_tokens_to_keep must be an integer >= 1 (the tokens min-p always keeps; "
+                f"1 = mlx-lm's default), got {min_tokens_to_keep!r}")
     return None
 
 
@@ -186,7 +193,7 @@ def check_submit(sub: "Submit") -> None:
         neg = next((t for t in sub.token_ids if t < 0), None)
         if neg is not None:
             raise ProtocolError(BAD_REQUEST, f"token ids must be >= 0, got {neg}", param="token_ids")
-    check_sampling(sub.temperature, sub.top_p, sub.top_k, sub.seed, sub.min_p)
+    check_sampling(sub.temperature, sub.top_p, sub.top_k, sub.seed, sub.min_p, sub.min_tokens_to_keep)
     problem = processors_problem({k: getattr(sub, k) for k in PROCESSOR_FIELDS})
     if problem is not None:
         raise ProtocolError(BAD_SAMPLING, problem[1], param=problem[0])
@@ -207,9 +214,9 @@ def check_types(msg: Any) -> None:
 
 
 def check_sampling(temperature: Any = None, top_p: Any = None, top_k: Any = None, seed: Any = None,
-                   min_p: Any = None) -> None:
+                   min_p: Any = None, min_tokens_to_keep: Any = None) -> None:
     """Raise ProtocolError(BAD_SAMPLING, param=the field) for a value out of range."""
-    problem = sampling_problem(temperature, top_p, top_k, seed, min_p)
+    problem = sampling_problem(temperature, top_p, top_k, seed, min_p, min_tokens_to_keep)
     if problem is not None:
         raise ProtocolError(BAD_SAMPLING, problem[1], param=problem[0])
 
@@ -256,6 +263,9 @@ class Submit:
     presence_context_size: int | None = None
     frequency_penalty: float | None = None  # 0 = off
     frequency_context_size: int | None = None
+    # v5: how many of the most likely tokens min-p always keeps (mlx-lm's min_tokens_to_keep),
+    # an integer >= 1; None = the daemon's configured default (1, mlx-lm's)
+    min_tokens_to_keep: int | None = None
 
 
 @dataclass

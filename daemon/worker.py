@@ -356,7 +356,9 @@ class Worker:
                "top_p": float(cfg.top_p if req.top_p is None else req.top_p),
                "top_k": int(cfg.top_k if req.top_k is None else req.top_k),
                "seed": cfg.seed if req.seed is None else req.seed,
-               "min_p": float(cfg.min_p if req.min_p is None else req.min_p)}
+               "min_p": float(cfg.min_p if req.min_p is None else req.min_p),
+               "min_tokens_to_keep": int(cfg.min_tokens_to_keep if req.min_tokens_to_keep is None
+                                         else req.min_tokens_to_keep)}
         if out["temperature"] > 0 and out["seed"] is None:
             out["seed"] = secrets.randbits(63)
         return {**out, **self._processors(req)}

@@ -76,6 +76,8 @@ def _kv_bits(ctx: click.Context, param: click.Parameter, value: int | None) -> i
 @click.option("--min-p", type=click.FloatRange(0, 1), default=0.0, show_default=True, callback=finite_option,
               help="Sampling (with --temperature > 0): keep the tokens at least this fraction as likely as the "
                    "most likely one; 0 = off.")
+@click.option("--min-tokens-to-keep", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --min-p: the number of most likely tokens min-p always keeps (mlx-lm's min_tokens_to_keep).")
 @click.option("--logit-bias", multiple=True, callback=_bias, metavar="ID=BIAS",
               help="Add BIAS to token ID's logit (repeatable; mlx-lm's logits processors, greedy or sampled).")
 @click.option("--repetition-penalty", type=float, default=None, callback=finite_option,
@@ -93,7 +95,7 @@ def _kv_bits(ctx: click.Context, param: click.Parameter, value: int | None) -> i
               help="Then decode the same prompt plainly (verify window 1) and print the measured speedup and "
                    "whether the tokens are the same (--json: under 'plain').")
 def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtype, kv_bits, verify_window, copy_draft,
-             as_json, temperature, top_p, top_k, min_p, seed, compare_plain, **processors):
+             as_json, temperature, top_p, top_k, min_p, min_tokens_to_keep, seed, compare_plain, **processors):
     """Generate with DFlash (greedy by default); prints text as it streams, then the stats.
 
     Ctrl-C stops after the current cycle and still prints the stats (--json: the JSON so far,
@@ -109,7 +111,8 @@ def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtyp
         import secrets
 
         seed = secrets.randbits(63)
-    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "min_p": min_p}
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "min_p": min_p,
+                "min_tokens_to_keep": min_tokens_to_keep}
     plain, shown = None, False  # shown: the DFlash run's stats line is printed already
     try:
         prompt = _read_prompt(prompt)

@@ -106,6 +106,7 @@ def stream_dflash_generate(
     top_k: int = 0,
     seed: int | None = None,
     min_p: float = 0.0,
+    min_tokens_to_keep: int = 1,
     logit_bias: dict[int, float] | None = None,
     repetition_penalty: float | None = None,
     repetition_context_size: int = CONTEXT_SIZE,
@@ -121,9 +122,10 @@ def stream_dflash_generate(
     """DFlash generation. Yields TokenDelta events, then one Finished with the stats.
 
     temperature 0 (default) is greedy. Otherwise each token is distributed exactly as mlx-lm's
-    `make_sampler(temperature, top_p=top_p, min_p=min_p, top_k=top_k)` would draw it from the
-    target (top-p, then min-p, then top-k on the untempered log-probs; top_p 1, min_p 0 and top_k
-    0 are off). `seed` fixes the draws
+    `make_sampler(temperature, top_p=top_p, min_p=min_p, min_tokens_to_keep=min_tokens_to_keep,
+    top_k=top_k)` would draw it from the target (top-p, then min-p, which always keeps the
+    min_tokens_to_keep most likely tokens, then top-k on the untempered log-probs; top_p 1, min_p
+    0 and top_k 0 are off). `seed` fixes the draws
     (None: a random one); the same seed and the same verify windows give the same ids (the
     "auto" window follows measured timings, so pin a window for bit-reproducible runs).
 
@@ -159,7 +161,7 @@ def stream_dflash_generate(
     texts part; a teacher lets arms and mlx-lm be timed on one text (scripts/arms_ab.py
     --teach). The output is the teacher's, not a claim about the target's.
     """
-    params = SamplingParams(temperature, top_p, top_k, seed, min_p)
+    params = SamplingParams(temperature, top_p, top_k, seed, min_p, min_tokens_to_keep)
     proc_params = ProcessorParams(logit_bias, repetition_penalty, repetition_context_size, presence_penalty,
                                   presence_context_size, frequency_penalty, frequency_context_size)
     proc_params.check_vocab(target.vocab_size)
@@ -474,6 +476,8 @@ def sampling_line(sampling: dict[str, Any]) -> str:
     if not sampling.get("temperature"):
         return ""
     min_p = f", min_p {sampling['min_p']:g}" if sampling.get("min_p") else ""
+    if sampling.get("min_tokens_to_keep", 1) != 1:
+        min_p += f", min_tokens_to_keep {sampling['min_tokens_to_keep']}"
     return (f"sampling: temperature {sampling['temperature']:g}, top_p {sampling.get('top_p', 1.0):g}, "
             f"top_k {sampling.get('top_k', 0)}{min_p}, seed {sampling.get('seed')}")
 

@@ -1,11 +1,12 @@
 """Sampling: the distribution transforms and the speculative acceptance rule, in one place.
 
 The target's distribution p and the draft's q are the same transform of their logits, with
-mlx-lm's semantics (`make_sampler(temp, top_p=..., min_p=..., top_k=...)`): on the untempered
-log-probs, top-p keeps the most likely tokens until their mass reaches top_p (every token tied
-with the last one kept stays), then min-p keeps the tokens at least min_p times as likely as the
-most likely one, then top-k keeps the k most likely (ties at the k-th place: the lower ids), then
-the temperature scales what is left. Computed in float32. Logits processors (penalties, logit
+mlx-lm's semantics (`make_sampler(temp, top_p=..., min_p=..., min_tokens_to_keep=..., top_k=...)`):
+on the untempered log-probs, top-p keeps the most likely tokens until their mass reaches top_p
+(every token tied with the last one kept stays), then min-p keeps the tokens at least min_p times
+as likely as the most likely one, and always the min_tokens_to_keep most likely, then top-k keeps
+the k most likely (ties at the k-th place, for both counts: the lower ids), then the temperature
+scales what is left. Computed in float32. Logits processors (penalties, logit
 bias: engine/processors.py) run before all of this, on the raw logits, as in mlx-lm.
 
 Acceptance is standard speculative sampling, exact whatever the draft: draft x_i is kept with
@@ -27,16 +28,20 @@ import mlx.core as mx
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 is greedy (top_p / top_k / min_p then change nothing); seed None draws one.
-    min_p 0 is off (appended last: positional callers keep their meaning)."""
+    min_p 0 is off; min_tokens_to_keep (mlx-lm's, default 1) is how many of the most likely
+    tokens min-p always keeps, and changes nothing without min-p. Both appended last: positional
+    callers keep their meaning."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
     min_p: float = 0.0
+    min_tokens_to_keep: int = 1
 
     def __post_init__(self) -> None:
         t, p, k, s, m = self.temperature, self.top_p, self.top_k, self.seed, self.min_p
+        keep = self.min_tokens_to_keep
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
@@ -45,6 +50,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0: off), got {k!r}")
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= 1:
             raise ValueError(f"min_p must be in [0, 1] (0: off), got {m!r}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"min_tokens_to_keep must be an integer >= 1 (1: mlx-lm's default), got {keep!r}")
         if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**64):
             raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {s!r}")
 
@@ -88,11 +95,18 @@ def top_p_mask(logprobs: mx.array, top_p: float) -> mx.array:
     return logprobs >= lowest_kept
 
 
-def min_p_mask(logprobs: mx.array, min_p: float) -> mx.array:
+def min_p_mask(logprobs: mx.array, min_p: float, min_tokens_to_keep: int = 1) -> mx.array:
     """Keep (True) the tokens at least min_p times as likely as the most likely one (its ties
-    included, so at least one token stays)."""
+    included, so at least one token stays), and the min_tokens_to_keep most likely whatever
+    their probability (ties at the last place: the lower ids; mlx-lm leaves that choice to
+    `argpartition`). min_tokens_to_keep >= the vocabulary keeps every token."""
     top = logprobs.max(axis=-1, keepdims=True)
-    return logprobs >= top + math.log(min_p)
+    keep = logprobs >= top + math.log(min_p)
+    if min_tokens_to_keep > 1:
+        if min_tokens_to_keep >= logprobs.shape[-1]:
+            return mx.ones_like(keep)
+        keep = keep | top_k_mask(logprobs, min_tokens_to_keep)
+    return keep
 
 
 def top_k_mask(logprobs: mx.array, top_k: int) -> mx.array:
@@ -111,7 +125,7 @@ def filter_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
     if params.top_p < 1.0:
         lp = mx.where(top_p_mask(lp, params.top_p), lp, -mx.inf)
     if params.min_p > 0:
-        lp = mx.where(min_p_mask(lp, params.min_p), lp, -mx.inf)
+        lp = mx.where(min_p_mask(lp, params.min_p, params.min_tokens_to_keep), lp, -mx.inf)
     if 0 < params.top_k < lp.shape[-1]:
         lp = mx.where(top_k_mask(lp, params.top_k), lp, -mx.inf)
     return lp

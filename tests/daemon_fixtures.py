@@ -144,7 +144,8 @@ def reference(tiny_pair: tuple[str, str], prompt, max_tokens: int, **kw) -> tupl
     pair = _REF_PAIR[tiny_pair]
     ids = prompt if prompt and isinstance(prompt[0], int) else build_prompt(pair.tokenizer, prompt, system=kw.get("system"))
     # sampling (and the window, which a seed needs fixed to repeat its ids) as the worker passes them
-    extra = {k: kw[k] for k in ("temperature", "top_p", "top_k", "seed", "min_p", "verify_window", "logit_bias",
+    extra = {k: kw[k] for k in ("temperature", "top_p", "top_k", "seed", "min_p", "min_tokens_to_keep",
+                                "verify_window", "logit_bias",
                                 "repetition_penalty", "repetition_context_size", "presence_penalty",
                                 "presence_context_size", "frequency_penalty", "frequency_context_size") if k in kw}
     for ev in stream_dflash_generate(pair.target, pair.drafter, pair.tokenizer, ids, max_tokens, stop=kw.get("stop", ()),

@@ -209,7 +209,7 @@ def test_chat_template_kwargs_reach_the_template(gw, tok):
 
 
 SAMPLED = dict(temperature=0.9, top_p=0.95, seed=7)  # + top_k 40, an extra field (vLLM's)
-APPLIED = {"temperature": 0.9, "top_p": 0.95, "top_k": 40, "seed": 7, "min_p": 0.0}
+APPLIED = {"temperature": 0.9, "top_p": 0.95, "top_k": 40, "seed": 7, "min_p": 0.0, "min_tokens_to_keep": 1}
 
 
 def test_sampling_is_applied(gw, pair, tok):
@@ -243,6 +243,27 @@ def test_sampling_is_applied(gw, pair, tok):
     done = raw.parse()
     assert done.choices[0].text == text and done.model_extra["dflash"]["sampling"]["min_p"] == 0.2
     assert "x-dflash-sampling-ignored" not in raw.headers
+
+
+def test_min_tokens_to_keep_is_applied(gw, pair, tok):
+    """min_tokens_to_keep (an extra field: mlx-lm's make_sampler argument) reaches the engine from
+    both endpoints: min-p 1 keeps only the most likely token of the near-uniform tiny model (so
+    alone it is greedy), and min_tokens_to_keep 5 samples among the 5 most likely, as in-process."""
+    c = gw.openai()
+    ids = list(tok.encode("Once upon a time"))
+    keep = dict(temperature=1.5, min_p=1.0, min_tokens_to_keep=5, seed=3)
+    text = reference(pair, ids, 10, **keep, verify_window="full")[0]
+    assert text != reference(pair, ids, 10, **{**keep, "min_tokens_to_keep": 1}, verify_window="full")[0]
+    raw = c.completions.with_raw_response.create(model="tiny-chat", prompt=ids, max_tokens=10, temperature=1.5,
+                                                 seed=3, extra_body={"min_p": 1.0, "min_tokens_to_keep": 5.0})
+    done = raw.parse()  # an integral float is an integer, as for top_k and seed
+    assert done.choices[0].text == text and "x-dflash-sampling-ignored" not in raw.headers
+    assert done.model_extra["dflash"]["sampling"] == {"temperature": 1.5, "top_p": 1.0, "top_k": 0, "seed": 3,
+                                                      "min_p": 1.0, "min_tokens_to_keep": 5}
+    want = reference(pair, MSGS, 8, **keep, verify_window="full")[0]
+    r = c.chat.completions.create(model="tiny-chat", messages=MSGS, max_tokens=8, temperature=1.5, seed=3,
+                                  extra_body={"min_p": 1.0, "min_tokens_to_keep": 5})
+    assert r.choices[0].message.content == want
 
 
 def test_penalties_and_logit_bias_are_applied(gw, pair):
@@ -282,11 +303,19 @@ def test_bad_sampling_values_in_openai_shape(gw):
              ({"top_k": -2}, "invalid_value", "top_k"), ({"top_k": 2.5}, "invalid_type", "top_k"),
              ({"seed": -3}, "invalid_value", "seed"), ({"seed": "7"}, "invalid_type", "seed"),
              ({"min_p": -0.1}, "invalid_value", "min_p"), ({"min_p": 1.5}, "invalid_value", "min_p"),
-             ({"min_p": "0.1"}, "invalid_type", "min_p")]
+             ({"min_p": "0.1"}, "invalid_type", "min_p"),
+             ({"min_tokens_to_keep": 0}, "invalid_value", "min_tokens_to_keep"),
+             ({"min_tokens_to_keep": -4}, "invalid_value", "min_tokens_to_keep"),
+             ({"min_tokens_to_keep": 1 << 64}, "invalid_value", "min_tokens_to_keep"),
+             ({"min_tokens_to_keep": 2.5}, "invalid_type", "min_tokens_to_keep"),
+             ({"min_tokens_to_keep": "3"}, "invalid_type", "min_tokens_to_keep"),
+             ({"min_tokens_to_keep": True}, "invalid_type", "min_tokens_to_keep")]
     for extra, code, param in cases:
         status, _, body = gw.http("POST", "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2, **extra})
         err = _error(status, body)
         assert (status, err["code"], err["param"]) == (400, code, param), (extra, err)
+        if param == "min_tokens_to_keep":  # a clear message: the field and what it must be
+            assert "min_tokens_to_keep" in err["message"] and "must be an integer" in err["message"], err
     status, _, _ = gw.http("POST", "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2, "top_k": -1,
                                                             "temperature": None, "seed": 7.0})
     assert status == 200  # -1: off; null: absent; an integral float seed is an integer
@@ -316,13 +345,17 @@ def test_a_request_sets_its_verify_window(gw, pair):
 def test_sampling_policies_and_server_defaults(daemon, pair):
     want = reference(pair, MSGS, 8, temperature=0.8, top_p=1.0, top_k=20, seed=5, verify_window="full")[0]
     greedy = reference(pair, MSGS, 8)[0]
-    strict = Gateway(daemon, "--sampling", "reject", "--default-temperature", "0.8", "--default-top-k", "20")
+    strict = Gateway(daemon, "--sampling", "reject", "--default-temperature", "0.8", "--default-top-k", "20",
+                     "--default-min-tokens-to-keep", "3")
     try:
         s = strict.openai(key="unused")  # no --api-key: no auth
         r = s.chat.completions.create(model="tiny-chat", messages=MSGS, max_tokens=8, seed=5)  # no temperature
-        assert r.choices[0].message.content == want
+        assert r.choices[0].message.content == want  # min_tokens_to_keep changes nothing without min-p
         assert r.model_extra["dflash"]["sampling"] == {"temperature": 0.8, "top_p": 1.0, "top_k": 20, "seed": 5,
-                                                       "min_p": 0.0}
+                                                       "min_p": 0.0, "min_tokens_to_keep": 3}
+        kept = s.chat.completions.create(model="tiny-chat", messages=MSGS, max_tokens=8, seed=5, extra_body={"min_p": 1.0})
+        assert kept.choices[0].message.content == reference(pair, MSGS, 8, temperature=0.8, top_k=20, seed=5, min_p=1.0,
+                                                            min_tokens_to_keep=3, verify_window="full")[0]
         ok = s.chat.completions.create(model="tiny-chat", messages=MSGS, max_tokens=8, temperature=0)
         assert ok.choices[0].message.content == greedy  # the request's own value wins
         # every field is applied now, so `reject` refuses none of them
@@ -333,10 +366,11 @@ def test_sampling_policies_and_server_defaults(daemon, pair):
     forced = Gateway(daemon, "--sampling", "greedy")
     try:
         raw = forced.openai(key="unused").chat.completions.with_raw_response.create(
-            model="tiny-chat", messages=MSGS, max_tokens=8, **SAMPLED, presence_penalty=1.0, extra_body={"min_p": 0.1})
+            model="tiny-chat", messages=MSGS, max_tokens=8, **SAMPLED, presence_penalty=1.0,
+            extra_body={"min_p": 0.1, "min_tokens_to_keep": 3})
         # greedy, the processors still applied (they are deterministic)
         assert raw.parse().choices[0].message.content == reference(pair, MSGS, 8, presence_penalty=1.0)[0]
-        assert raw.headers["x-dflash-sampling-ignored"] == "temperature,top_p,min_p"
+        assert raw.headers["x-dflash-sampling-ignored"] == "temperature,top_p,min_p,min_tokens_to_keep"
     finally:
         forced.stop()
 
@@ -527,6 +561,8 @@ def test_serve_refuses_what_it_cannot_do(tmp_path):
     res = CliRunner().invoke(main, ["serve", "--runtime-dir", str(run), "--state-dir", str(tmp_path / "s")],
                              env={"DFLASH_MODEL": ""})
     assert res.exit_code != 0 and "no model configured" in res.output
+    res = CliRunner().invoke(main, ["serve", "--attach", "--default-min-tokens-to-keep", "0", "--runtime-dir", str(run)])
+    assert res.exit_code == 2 and "--default-min-tokens-to-keep" in res.output, res.output
 
 
 def test_serve_starts_and_stops_its_own_daemon(tiny_pair, tmp_path):  # noqa: F811

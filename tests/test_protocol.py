@@ -166,7 +166,10 @@ def test_sampling_rules():
                       ({"temperature": float("inf")}, "temperature"), ({"top_p": 0}, "top_p"),
                       ({"top_p": 1.01}, "top_p"), ({"top_k": -1}, "top_k"), ({"top_k": True}, "top_k"),
                       ({"seed": -1}, "seed"), ({"seed": 1 << 64}, "seed"), ({"seed": 1.0}, "seed"),
-                      ({"min_p": -0.5}, "min_p"), ({"min_p": 2}, "min_p"), ({"min_p": True}, "min_p")]:
+                      ({"min_p": -0.5}, "min_p"), ({"min_p": 2}, "min_p"), ({"min_p": True}, "min_p"),
+                      ({"min_tokens_to_keep": 0}, "min_tokens_to_keep"),
+                      ({"min_tokens_to_keep": 2.0}, "min_tokens_to_keep"),
+                      ({"min_tokens_to_keep": True}, "min_tokens_to_keep")]:
         with pytest.raises(P.ProtocolError) as e:
             P.check_sampling(**kw)
         assert (e.value.code, e.value.param) == (P.BAD_SAMPLING, param) and param in e.value.message
@@ -189,10 +192,9 @@ def test_verify_window_is_appended_and_travels():
 
 
 def test_min_p_is_appended_and_travels():
-    assert P.VERSION == 4 and P.OLDER_VERSIONS == (1, 2, 3)
     names = [f.name for f in dataclasses.fields(P.Submit)]
-    assert names == V1_SUBMIT + ["temperature", "top_p", "top_k", "seed", "verify_window", "min_p",
-                                 *P.PROCESSOR_FIELDS]
+    assert names[:len(V1_SUBMIT) + 6 + len(P.PROCESSOR_FIELDS)] == V1_SUBMIT + [
+        "temperature", "top_p", "top_k", "seed", "verify_window", "min_p", *P.PROCESSOR_FIELDS]
     for value in (None, 0, 0.05, 1.0):
         sub = P.Submit(rid=4, text="hi", min_p=value)
         P.check_submit(sub)
@@ -208,6 +210,37 @@ def test_min_p_is_appended_and_travels():
     # a version-3 peer's error keeps `param` (it was appended in 3); versions 1 and 2 never had it
     assert list(P.to_map(P.Error(rid=1, param="x"), version=3))[-1] == "param"
     assert "param" not in P.to_map(P.Error(rid=1, param="x"), version=2)
+
+
+# ----------------------------------------------------------------------------- version 5: min_tokens_to_keep
+
+
+def test_min_tokens_to_keep_is_appended_and_travels():
+    """Version 5 appends min_tokens_to_keep to submit (a version-4 worker would refuse the field)."""
+    assert P.VERSION == 5 and P.OLDER_VERSIONS == (1, 2, 3, 4)
+    names = [f.name for f in dataclasses.fields(P.Submit)]
+    assert names == V1_SUBMIT + ["temperature", "top_p", "top_k", "seed", "verify_window", "min_p",
+                                 *P.PROCESSOR_FIELDS, "min_tokens_to_keep"]
+    assert P.SAMPLING_FIELDS[-1] == "min_tokens_to_keep"
+    for value in (None, 1, 3, (1 << 64) - 1):
+        sub = P.Submit(rid=6, text="hi", min_p=0.1, min_tokens_to_keep=value)
+        P.check_submit(sub)
+        assert list(P.to_map(sub))[-1] == "min_tokens_to_keep"
+        assert codec.decode_request(codec.encode(sub)) == sub
+    for bad in (0, -2, 1 << 64):
+        with pytest.raises(P.ProtocolError) as e:
+            P.check_submit(P.Submit(text="hi", min_tokens_to_keep=bad))
+        assert (e.value.code, e.value.param) == (P.BAD_SAMPLING, "min_tokens_to_keep")
+        assert "min_tokens_to_keep must be an integer >= 1" in e.value.message
+    for bad in (2.0, "3", True):  # the wrong wire type: the type check, naming the field
+        with pytest.raises(P.ProtocolError) as e:
+            P.parse_request({"v": P.VERSION, "op": "submit", "text": "hi", "min_tokens_to_keep": bad})
+        assert (e.value.code, e.value.param) == (P.BAD_REQUEST, "min_tokens_to_keep")
+    # a version-4 peer gets its errors in its own layout (param included: appended in 3)
+    assert list(P.to_map(P.Error(rid=1, param="x"), version=4))[-1] == "param"
+    with pytest.raises(P.ProtocolError) as e:
+        P.parse_request({"v": 4, "op": "submit", "text": "hi", "min_p": 0.1})
+    assert e.value.code == P.BAD_VERSION and e.value.peer_version == 4
 
 
 def test_processors_travel_and_are_checked():
@@ -285,6 +318,12 @@ def test_generation_defaults_in_config(tmp_path):
     assert (got.min_p, got.repetition_penalty, got.frequency_context_size) == (0.1, 1.2, 40)
     assert DaemonConfig().min_p == 0.0 and DaemonConfig().repetition_penalty == 1.0  # off by default
     assert load_config(None, env={"DFLASH_MIN_P": "0.05"}).min_p == 0.05
+    k = tmp_path / "k.toml"  # min_tokens_to_keep (version 5) too: mlx-lm's default 1 unless set
+    k.write_text("[generation]\nmin_p = 0.1\nmin_tokens_to_keep = 3\n")
+    assert load_config(k, env={}).min_tokens_to_keep == 3 and DaemonConfig().min_tokens_to_keep == 1
+    assert load_config(None, env={"DFLASH_MIN_TOKENS_TO_KEEP": "4"}).min_tokens_to_keep == 4
+    with pytest.raises(ValueError, match=r"\[generation\] min_tokens_to_keep must be an integer >= 1"):
+        dataclasses.replace(DaemonConfig(), min_tokens_to_keep=0).validate()
     bad = tmp_path / "bad.toml"
     bad.write_text("[generation]\ntypical_p = 0.9\n")
     with pytest.raises(ValueError, match=r"\[generation\] takes only"):

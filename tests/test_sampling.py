@@ -59,6 +59,30 @@ def test_min_p_mask_equals_mlx_lm(min_p):
         assert mx.array_equal(ours, lp == lp.max(axis=-1, keepdims=True))
 
 
+@pytest.mark.parametrize("min_p", [0.05, 0.5, 1.0])
+@pytest.mark.parametrize("keep", [2, 5, 40, 299, 300])
+def test_min_p_mask_with_min_tokens_to_keep_equals_mlx_lm(min_p, keep):
+    """mlx-lm's apply_min_p(lp, min_p, min_tokens_to_keep): the keep most likely tokens stay
+    whatever min-p says; with top-p's -inf already in the row too."""
+    lp = _logprobs(_random_logits(6))
+    lp = mx.concatenate([lp, apply_top_p(lp, 0.5)])  # rows where top-p left fewer than `keep` finite
+    ours = sampling.min_p_mask(lp, min_p, keep)
+    theirs = apply_min_p(lp, min_p, keep)
+    kept = lambda m: mx.sort(mx.where(m, lp, -mx.inf), axis=-1)  # noqa: E731
+    assert mx.array_equal(kept(ours), kept(mx.isfinite(theirs) | (lp == -mx.inf)))  # the same values kept
+    continuous = mx.concatenate([mx.arange(32), mx.arange(64, 96)])  # no ties: the very same tokens
+    assert mx.array_equal(mx.isfinite(mx.where(ours, lp, -mx.inf))[continuous], mx.isfinite(theirs)[continuous])
+    assert (ours.sum(axis=-1) >= min(keep, lp.shape[-1])).all().item()
+    plain = sampling.min_p_mask(lp, min_p)
+    assert (ours.sum(axis=-1) > plain.sum(axis=-1)).any().item()  # it keeps more than min-p alone
+
+
+def test_min_tokens_to_keep_ties_go_to_lower_ids():
+    lp = _logprobs(mx.array([[0.0, 1.0, 1.0, 1.0, 3.0, 1.0]]))
+    assert sampling.min_p_mask(lp, 0.9, 3).tolist() == [[False, True, True, False, True, False]]
+    assert sampling.min_p_mask(lp, 0.9, 6).all().item() and sampling.min_p_mask(lp, 0.9, 10**9).all().item()
+
+
 def test_top_k_ties_go_to_lower_ids_and_large_k_is_off():
     lp = _logprobs(mx.array([[0.0, 1.0, 1.0, 1.0, 2.0, 1.0]]))
     assert sampling.top_k_mask(lp, 3).tolist() == [[False, True, True, False, True, False]]
@@ -87,19 +111,44 @@ def test_probs_equal_mlx_lm_chain(temperature, top_p, top_k, min_p):
     assert mx.array_equal(ours > 0, theirs > 0)
 
 
-@pytest.mark.parametrize("min_p", [0.0, 0.3])
-def test_make_sampler_draws_from_our_probs(min_p):
+@pytest.mark.parametrize(
+    "temperature,top_p,top_k,min_p,keep",
+    [(1.0, 1.0, 0, 0.5, 4), (0.7, 0.9, 0, 0.3, 6), (1.3, 1.0, 20, 0.8, 25), (0.5, 0.6, 5, 0.9, 3), (1.0, 1.0, 0, 1.0, 300)],
+)
+def test_probs_with_min_tokens_to_keep_equal_mlx_lm_chain(temperature, top_p, top_k, min_p, keep):
+    """make_sampler's chain with min_tokens_to_keep: top-p, min-p keeping `keep`, top-k, temperature
+    (continuous logits: no ties at the keep-th place, where mlx-lm's argpartition picks freely)."""
+    logits = mx.random.normal((64, 300), key=mx.random.key(12)) * 3
+    lp = _logprobs(logits)
+    if top_p < 1:
+        lp = apply_top_p(lp, top_p)
+    lp = apply_min_p(lp, min_p, keep)
+    if top_k:
+        lp = apply_top_k(lp, top_k)
+    theirs = mx.softmax(lp * (1.0 / temperature), axis=-1)
+    ours = sampling.probs(logits, SamplingParams(temperature, top_p, top_k, min_p=min_p, min_tokens_to_keep=keep))
+    assert mx.allclose(ours, theirs, atol=1e-6).item()
+    assert mx.array_equal(ours > 0, theirs > 0)
+    alone = sampling.probs(logits, SamplingParams(temperature, top_p, top_k, min_p=min_p))
+    assert ((ours > 0).sum() > (alone > 0).sum()).item()  # the parameter does something here
+
+
+@pytest.mark.parametrize("min_p,keep", [(0.0, 1), (0.3, 1), (0.6, 6)])
+def test_make_sampler_draws_from_our_probs(min_p, keep):
     """mlx-lm's own sampler, drawn 200k times, matches our p (chi-square, pooled cells)."""
     from test_sampling_dist import assert_same_distribution
 
     logits = mx.random.normal((1, 40), key=mx.random.key(3)) * 2
-    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=12, min_p=min_p)
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=12, min_p=min_p, min_tokens_to_keep=keep)
     p = np.array(sampling.probs(logits, params)[0])
     if min_p:
         assert 0 < (p > 0).sum() < 12  # min-p removes tokens top-p and top-k keep
+    if keep > 1:  # and min_tokens_to_keep puts some back
+        assert (p > 0).sum() == keep > (np.array(sampling.probs(logits, SamplingParams(0.7, 0.9, 12, min_p=min_p))[0]) > 0).sum()
     mx.random.seed(4)
     n = 200_000
-    draws = make_sampler(0.7, top_p=0.9, min_p=min_p, top_k=12)(mx.broadcast_to(_logprobs(logits), (n, 40)))
+    draws = make_sampler(0.7, top_p=0.9, min_p=min_p, min_tokens_to_keep=keep, top_k=12)(
+        mx.broadcast_to(_logprobs(logits), (n, 40)))
     counts = np.bincount(np.array(draws), minlength=40)
     exact = {(i,): float(v) for i, v in enumerate(p)}
     assert_same_distribution({(i,): int(c) for i, c in enumerate(counts)}, exact, n)
@@ -118,6 +167,9 @@ def test_make_sampler_draws_from_our_probs(min_p):
         (dict(min_p=-0.1), "min_p"),
         (dict(min_p=1.5), "min_p"),
         (dict(min_p=float("nan")), "min_p"),
+        (dict(min_p=0.1, min_tokens_to_keep=0), "min_tokens_to_keep"),
+        (dict(min_p=0.1, min_tokens_to_keep=2.5), "min_tokens_to_keep"),
+        (dict(min_p=0.1, min_tokens_to_keep=True), "min_tokens_to_keep"),
     ],
 )
 def test_bad_parameters_raise(pairs, kwargs, match):

@@ -282,10 +282,12 @@ def sharpen(target: Any, ids: list[int], params: SamplingParams, entropy: float 
 
 
 def engine_exact(
-    sharp: Sharp, ids: list[int], params: SamplingParams, n: int, **processors: Any
+    sharp: Sharp, ids: list[int], params: SamplingParams, n: int,
+    law: Callable[[mx.array], mx.array] | None = None, **processors: Any,
 ) -> dict[tuple, float]:
     """p(t1) p(t2|t1) p(t3|t1,t2) for every prefix that can reach an expected count of 5; with
-    `processors`, mlx-lm's own (make_logits_processors) on each prefix's logits and history."""
+    `processors`, mlx-lm's own (make_logits_processors) on each prefix's logits and history.
+    `law`: the sampling distribution of a batch of logits (default: ours, sampling.probs)."""
     from mlx_lm.sample_utils import make_logits_processors
 
     procs = make_logits_processors(**processors) if processors else []
@@ -301,7 +303,7 @@ def engine_exact(
                     row = proc(mx.array(ids + list(c)), row)
                 rows.append(row)
             logits = mx.concatenate(rows)
-        dist = np.array(sampling.probs(logits, params))
+        dist = np.array(sampling.probs(logits, params) if law is None else law(logits))
         probs = {
             c + (x,): probs[c] * float(dist[i, x])
             for i, c in enumerate(live)
@@ -366,7 +368,7 @@ def engine_counts(
             *_, final = stream_dflash_generate(
                 sharp, make_drafter(), pair.tokenizer, ids, NEW, verify_window=window,
                 temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=seed,
-                min_p=params.min_p, prefix_cache=cache, **processors,
+                min_p=params.min_p, min_tokens_to_keep=params.min_tokens_to_keep, prefix_cache=cache, **processors,
             )
             assert len(final.token_ids) == NEW
             counts[tuple(final.token_ids)] += 1
@@ -492,6 +494,61 @@ def test_engine_min_p_ignored_is_rejected(pairs):
     n = 500
     counts = engine_counts(pair, sharp, lambda: pair.drafter, ids, replace(params, min_p=0.0), n)
     print("engine, min_p ignored:", assert_rejected(counts, engine_exact(sharp, ids, params, n), n))
+
+
+def mlx_lm_law(params: SamplingParams) -> Callable[[mx.array], mx.array]:
+    """The distribution mlx-lm's make_sampler(temp, top_p, min_p, min_tokens_to_keep, top_k) draws
+    from, built from mlx-lm's own transforms: its sampler applies apply_top_p, apply_min_p and
+    apply_top_k to the log-probs, then draws categorical(logprobs / temp)."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+    def law(logits: mx.array) -> mx.array:
+        x = logits.astype(mx.float32)
+        lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        if 0 < params.top_p < 1:
+            lp = apply_top_p(lp, params.top_p)
+        if params.min_p != 0:
+            lp = apply_min_p(lp, params.min_p, params.min_tokens_to_keep)
+        if params.top_k > 0:
+            lp = apply_top_k(lp, params.top_k)
+        return mx.softmax(lp * (1 / params.temperature), axis=-1)
+
+    return law
+
+
+# min-p that alone keeps only the first token of the sharpened target (the next is under 0.1 of
+# its probability), with min_tokens_to_keep 4 putting the next three back: 13-20% of each step's
+# mass, so the three-token law is far from min-p's alone (total variation 0.49 on qwen3, 0.20 on
+# qwen3_5).
+KEEP = SamplingParams(temperature=1.0, min_p=0.5, min_tokens_to_keep=4)
+
+
+@pytest.mark.parametrize("arch", sorted(RUNS_RANDOM_DRAFT))
+@pytest.mark.parametrize("draft", ["random", "good"])
+def test_engine_min_tokens_to_keep_matches_mlx_lm(pairs, arch, draft):
+    """min-p with min_tokens_to_keep 4 (mlx-lm's make_sampler(min_p=0.5, min_tokens_to_keep=4)):
+    the engine's tokens against the law mlx-lm's own transforms give, with the random draft
+    (rejections) and the good one (whose q is cut the same way)."""
+    pair, sharp, ids = _setup(pairs, arch, replace(KEEP, min_p=0.0))  # 1.3 nats before the cut
+    make = (lambda: pair.drafter) if draft == "random" else _self_drafter(sharp, ids)
+    n = 500
+    exact = engine_exact(sharp, ids, KEEP, n, law=mlx_lm_law(KEEP))
+    one = replace(KEEP, min_tokens_to_keep=1)
+    alone = engine_exact(sharp, ids, one, n, law=mlx_lm_law(one))
+    cells = set(exact) | set(alone)
+    assert 0.5 * sum(abs(exact.get(c, 0) - alone.get(c, 0)) for c in cells) > 0.15  # far from min-p alone
+    counts = engine_counts(pair, sharp, make, ids, KEEP, n)
+    print(arch, draft, assert_same_distribution(counts, exact, n))
+
+
+def test_engine_min_tokens_to_keep_ignored_is_rejected(pairs):
+    """Power: the engine with min-p alone (min_tokens_to_keep 1), against mlx-lm's law with 4
+    (qwen3, the random draft, n=500): the same test catches it."""
+    pair, sharp, ids = _setup(pairs, "qwen3", replace(KEEP, min_p=0.0))
+    n = 500
+    counts = engine_counts(pair, sharp, lambda: pair.drafter, ids, replace(KEEP, min_tokens_to_keep=1), n)
+    r = assert_rejected(counts, engine_exact(sharp, ids, KEEP, n, law=mlx_lm_law(KEEP)), n)
+    print("engine, min_tokens_to_keep ignored:", r)
 
 
 # Negative penalties (mlx-lm takes any value; repetition < 1 boosts): the history's tokens become

@@ -1,5 +1,5 @@
 """Sampling parameters, and (version 3) one job's verify window, through every interface but
-HTTP (that is test_gateway.py): `dflash generate`, wire protocol versions 2 and 3, the daemon, DFlashClient / AsyncDFlashClient and
+HTTP (that is test_gateway.py): `dflash generate`, wire protocol versions 2 to 5, the daemon, DFlashClient / AsyncDFlashClient and
 `dflash-client`. Real processes, real ZeroMQ, the tiny real model; the reference is the
 in-process engine with the same seed (and the same fixed verify window: a seed repeats its ids
 only under a fixed window, so the daemon here runs with verify_window = "full")."""
@@ -47,7 +47,8 @@ def test_seeded_sampling_through_the_daemon_equals_in_process(client, tiny_pair)
     assert want != greedy  # the params do something
     first = client.generate(PROMPT, max_tokens=16, **SAMPLED)
     assert first.token_ids == want
-    assert first.stats["sampling"] == {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "seed": 11, "min_p": 0.0}
+    assert first.stats["sampling"] == {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "seed": 11, "min_p": 0.0,
+                                       "min_tokens_to_keep": 1}
     again = client.generate(PROMPT, max_tokens=16, **SAMPLED)  # now from the prefix cache
     assert again.token_ids == want and again.stats["cached_prompt_tokens"] > 0
     with client.stream(PROMPT, max_tokens=16, **SAMPLED) as s:
@@ -104,7 +105,7 @@ def test_bad_sampling_values_are_refused_and_the_daemon_survives(client, daemon)
     st = client.stats()
     assert st["pid"] == pid and st["state"] == "ready" and st["protocol"] == P.VERSION
     assert st["generation"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "min_p": 0.0,
-                                "repetition_penalty": 1.0, "repetition_context_size": 20, "presence_penalty": 0.0,
+                                "min_tokens_to_keep": 1, "repetition_penalty": 1.0, "repetition_context_size": 20, "presence_penalty": 0.0,
                                 "presence_context_size": 20, "frequency_penalty": 0.0, "frequency_context_size": 20,
                                 "verify_window": "full"}
     # the limits a client fits its requests to (the daemon fixture's config, as it runs)
@@ -120,7 +121,61 @@ def test_min_p_through_the_daemon_equals_in_process(client, tiny_pair):  # noqa:
     want = reference(tiny_pair, PROMPT, 16, **kw, **FULL)[1]
     assert want != reference(tiny_pair, PROMPT, 16, **{**kw, "min_p": 0.0}, **FULL)[1]  # it does something
     res = client.generate(PROMPT, max_tokens=16, **kw)
-    assert res.token_ids == want and res.stats["sampling"] == kw
+    assert res.token_ids == want and res.stats["sampling"] == {**kw, "min_tokens_to_keep": 1}
+
+
+# min-p at 1 keeps only the most likely token (the tiny random model is near-uniform: any lower
+# cut keeps hundreds), so what is sampled is min_tokens_to_keep's own choice: the 5 most likely
+KEEP = {**SAMPLED, "temperature": 1.5, "top_p": 1.0, "top_k": 0, "min_p": 1.0, "min_tokens_to_keep": 5}
+
+
+def test_min_tokens_to_keep_through_the_daemon_equals_in_process(client, daemon, tiny_pair):  # noqa: F811
+    """min_tokens_to_keep (version 5) reaches the engine from DFlashClient, AsyncDFlashClient and
+    the wire: the in-process engine's ids with it, other ids than without it (min-p alone, here
+    greedy), and done.stats.sampling says so (1, mlx-lm's default, when a request leaves it out)."""
+    want = reference(tiny_pair, PROMPT, 16, **KEEP, **FULL)[1]
+    alone = reference(tiny_pair, PROMPT, 16, **{**KEEP, "min_tokens_to_keep": 1}, **FULL)[1]
+    assert want != alone == reference(tiny_pair, PROMPT, 16)[1]  # it does something; min-p 1 alone is greedy
+    res = client.generate(PROMPT, max_tokens=16, **KEEP)
+    assert res.token_ids == want and res.stats["sampling"] == KEEP
+    one = client.generate(PROMPT, max_tokens=16, **{**KEEP, "min_tokens_to_keep": 1})
+    assert one.token_ids == alone and one.stats["sampling"]["min_tokens_to_keep"] == 1
+    unset = client.generate(PROMPT, max_tokens=16, **{k: v for k, v in KEEP.items() if k != "min_tokens_to_keep"})
+    assert unset.token_ids == alone and unset.stats["sampling"]["min_tokens_to_keep"] == 1  # the daemon's default
+    h = client.submit(PROMPT, max_tokens=16, **KEEP)  # a detached job carries it too
+    assert h.result(timeout=30).token_ids == want
+
+    async def go() -> list[int]:
+        a = AsyncDFlashClient(daemon.endpoint, config=daemon.cfg, timeout=20)
+        try:
+            return (await a.generate(PROMPT, max_tokens=16, **KEEP)).token_ids
+        finally:
+            a.close()
+
+    assert asyncio.run(go()) == want
+    wire = raw_request(daemon.endpoint, {"v": P.VERSION, "op": "submit", "rid": 8, "text": PROMPT, "max_tokens": 16,
+                                         "stream": False, **KEEP})
+    assert wire["type"] == "accepted"
+    assert client.job(wire["job_id"]).result(timeout=30).token_ids == want
+
+
+def test_bad_min_tokens_to_keep_is_refused_with_its_name(client, daemon):
+    pid = client.stats()["pid"]
+    for bad in (0, -3, 1 << 64):  # refused by the client, before the wire, as the worker would
+        with pytest.raises(BadRequestError) as e:
+            client.generate(PROMPT, max_tokens=4, min_p=0.1, min_tokens_to_keep=bad)
+        assert (e.value.code, e.value.param) == (P.BAD_SAMPLING, "min_tokens_to_keep")
+        assert "min_tokens_to_keep must be an integer >= 1" in e.value.message, e.value
+    for bad in (2.5, True, "3"):
+        with pytest.raises(TypeError, match="min_tokens_to_keep"):
+            client.generate(PROMPT, max_tokens=4, min_p=0.1, min_tokens_to_keep=bad)
+    for bad, code in [(0, P.BAD_SAMPLING), (-1, P.BAD_SAMPLING), (2.5, P.BAD_REQUEST), ("4", P.BAD_REQUEST),
+                      (True, P.BAD_REQUEST)]:  # the worker's own check: what a foreign client can send
+        reply = raw_request(daemon.endpoint, {"v": P.VERSION, "op": "submit", "rid": 9, "text": "x",
+                                              "min_tokens_to_keep": bad})
+        assert (reply["type"], reply["code"], reply["rid"], reply["param"]) == ("error", code, 9, "min_tokens_to_keep")
+        assert "min_tokens_to_keep" in reply["message"]
+    assert client.stats()["pid"] == pid
 
 
 PROCS = {"logit_bias": {"5": 3.0}, "repetition_penalty": 1.8, "repetition_context_size": 30,
@@ -136,7 +191,7 @@ def test_processors_through_the_daemon_equal_in_process(client, daemon, tiny_pai
     assert want != greedy
     res = client.generate(PROMPT, max_tokens=16, **{**PROCS, "logit_bias": {5: 3.0}})  # int ids are taken
     assert res.token_ids == want and res.stats["sampling"] == {
-        "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "min_p": 0.0, **PROCS}
+        "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "min_p": 0.0, "min_tokens_to_keep": 1, **PROCS}
     sampled = reference(tiny_pair, PROMPT, 16, **SAMPLED, **PROCS, **FULL)[1]
     assert client.generate(PROMPT, max_tokens=16, **SAMPLED, **PROCS).token_ids == sampled
     neutral = client.generate(PROMPT, max_tokens=16, repetition_penalty=1.0, presence_penalty=0, logit_bias={})
@@ -158,16 +213,23 @@ def test_processors_through_the_daemon_equal_in_process(client, daemon, tiny_pai
 
 
 def test_config_defaults_apply_when_a_request_leaves_them_unset(tiny_pair):  # noqa: F811
-    d = Daemon(*tiny_pair, verify_window="full", temperature=0.8, top_p=0.95, top_k=50, seed=11, cache=False)
+    d = Daemon(*tiny_pair, verify_window="full", temperature=0.8, top_p=0.95, top_k=50, seed=11, cache=False,
+               min_tokens_to_keep=5)
     try:
         d.start()
         with d.client(timeout=20) as c:
             want = reference(tiny_pair, PROMPT, 16, **SAMPLED, **FULL)[1]
-            res = c.generate(PROMPT, max_tokens=16)
-            assert res.token_ids == want and res.stats["sampling"] == {**SAMPLED, "min_p": 0.0}
+            res = c.generate(PROMPT, max_tokens=16)  # min_tokens_to_keep changes nothing without min-p
+            assert res.token_ids == want
+            assert res.stats["sampling"] == {**SAMPLED, "min_p": 0.0, "min_tokens_to_keep": 5}
             greedy = c.generate(PROMPT, max_tokens=16, temperature=0)  # a request's own value wins
             assert greedy.token_ids == reference(tiny_pair, PROMPT, 16)[1]
-            assert greedy.stats["sampling"] == {"temperature": 0.0, "top_p": 0.95, "top_k": 50, "seed": 11, "min_p": 0.0}
+            assert greedy.stats["sampling"] == {"temperature": 0.0, "top_p": 0.95, "top_k": 50, "seed": 11, "min_p": 0.0,
+                                                "min_tokens_to_keep": 5}
+            # the [generation] min_tokens_to_keep applies to a request that sets min_p but not it
+            kept = c.generate(PROMPT, max_tokens=16, **{k: v for k, v in KEEP.items() if k != "min_tokens_to_keep"})
+            assert kept.token_ids == reference(tiny_pair, PROMPT, 16, **KEEP, **FULL)[1]
+            assert c.stats()["generation"]["min_tokens_to_keep"] == 5
     finally:
         d.stop()
 
@@ -252,6 +314,10 @@ def test_an_old_client_gets_a_version_error_it_can_read(daemon, client):
     reply = raw_request(daemon.endpoint, v1_submit)
     assert (reply["v"], reply["type"], reply["code"], reply["rid"]) == (1, "error", P.BAD_VERSION, 9)
     assert "request is version 1" in reply["message"] and f"speaks version {P.VERSION}" in reply["message"]
+    # the previous version's (4) submit, min_p and all: its own version back, naming both
+    v4 = raw_request(daemon.endpoint, {"v": 4, "op": "submit", "rid": 10, "text": "hi", "min_p": 0.1})
+    assert (v4["v"], v4["type"], v4["code"], v4["rid"], v4["param"]) == (4, "error", P.BAD_VERSION, 10, "")
+    assert "request is version 4" in v4["message"] and f"speaks version {P.VERSION}" in v4["message"]
     future = raw_request(daemon.endpoint, {"v": P.VERSION + 1, "op": "stats", "rid": 2})
     assert (future["v"], future["code"]) == (P.VERSION, P.BAD_VERSION)  # unknown: our own version
     assert client.stats()["state"] == "ready"
@@ -314,11 +380,15 @@ def test_dflash_client_prompt_flags(daemon, tiny_pair):  # noqa: F811
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     assert out["token_ids"] == reference(tiny_pair, PROMPT, 16, **SAMPLED, **FULL)[1]
-    assert out["stats"]["sampling"] == {**SAMPLED, "min_p": 0.0}
+    assert out["stats"]["sampling"] == {**SAMPLED, "min_p": 0.0, "min_tokens_to_keep": 1}
     res = CliRunner().invoke(main, [*base, "--temperature", "1.5", "--min-p", "0.2", "--seed", "11", PROMPT])
     out = json.loads(res.output)
     assert out["token_ids"] == reference(tiny_pair, PROMPT, 16, temperature=1.5, min_p=0.2, seed=11, **FULL)[1]
     assert out["stats"]["sampling"]["min_p"] == 0.2
+    keep = ["--temperature", "1.5", "--min-p", "1", "--min-tokens-to-keep", "5", "--seed", "11"]
+    out = json.loads(CliRunner().invoke(main, [*base, *keep, PROMPT]).output)
+    assert out["token_ids"] == reference(tiny_pair, PROMPT, 16, **KEEP, **FULL)[1]
+    assert out["stats"]["sampling"]["min_tokens_to_keep"] == 5
     flags = ["--logit-bias", "5=3", "--repetition-penalty", "1.8", "--repetition-context-size", "30",
              "--frequency-penalty", "0.6"]
     out = json.loads(CliRunner().invoke(main, [*base, *flags, PROMPT]).output)
@@ -340,9 +410,12 @@ def test_dflash_client_prompt_flags(daemon, tiny_pair):  # noqa: F811
     for flags, word in [(["--temperature", "-1"], "--temperature"), (["--temperature", "inf"], "finite"),
                         (["--top-p", "0"], "--top-p"), (["--top-p", "1.5"], "--top-p"),
                         (["--top-k", "-3"], "--top-k"), (["--seed", "-1"], "--seed"), (["--min-p", "1.5"], "--min-p"),
-                        (["--min-p", "nan"], "finite")]:
+                        (["--min-p", "nan"], "finite"), (["--min-tokens-to-keep", "0"], "--min-tokens-to-keep"),
+                        (["--min-tokens-to-keep", "2.5"], "--min-tokens-to-keep")]:
         res = CliRunner().invoke(main, [*base, *flags, PROMPT])
         assert res.exit_code == 2 and word in res.output, (flags, res.output)
+    res = CliRunner().invoke(main, [*base, "--min-tokens-to-keep", str(1 << 64), PROMPT])  # the protocol's rule
+    assert res.exit_code != 0 and "min_tokens_to_keep must be an integer >= 1" in res.output, res.output
 
 
 def test_dflash_generate_compare_plain(tiny_pair):  # noqa: F811
@@ -375,10 +448,14 @@ def test_dflash_generate_flags(tiny_pair):  # noqa: F811
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     assert out["token_ids"] == reference(tiny_pair, PROMPT, 16, **SAMPLED, **FULL)[1]
-    assert out["sampling"] == {**SAMPLED, "min_p": 0.0}
+    assert out["sampling"] == {**SAMPLED, "min_p": 0.0, "min_tokens_to_keep": 1}
     out = json.loads(run.invoke(main, [*base, "--temperature", "1.5", "--min-p", "0.2", "--seed", "11"]).output)
     assert out["token_ids"] == reference(tiny_pair, PROMPT, 16, temperature=1.5, min_p=0.2, seed=11, **FULL)[1]
     assert out["sampling"]["min_p"] == 0.2
+    out = json.loads(run.invoke(main, [*base, "--temperature", "1.5", "--min-p", "1", "--min-tokens-to-keep", "5",
+                                       "--seed", "11"]).output)
+    assert out["token_ids"] == reference(tiny_pair, PROMPT, 16, **KEEP, **FULL)[1]
+    assert out["sampling"] == KEEP
     flags = ["--logit-bias", "5=3", "--repetition-penalty", "1.8", "--repetition-context-size", "30",
              "--frequency-penalty", "0.6"]
     out = json.loads(run.invoke(main, [*base[:-2], *flags]).output)  # the default window, greedy
@@ -393,10 +470,12 @@ def test_dflash_generate_flags(tiny_pair):  # noqa: F811
     assert again["token_ids"] == drawn["token_ids"]
     greedy = json.loads(run.invoke(main, base).output)
     assert greedy["token_ids"] == reference(tiny_pair, PROMPT, 16)[1]
-    assert greedy["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "min_p": 0.0}
+    assert greedy["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "min_p": 0.0,
+                                  "min_tokens_to_keep": 1}
     for flags, word in [(["--temperature", "-0.1"], "--temperature"), (["--temperature", "nan"], "finite"),
                         (["--top-p", "0"], "--top-p"), (["--top-k", "-1"], "--top-k"),
                         (["--seed", str(1 << 64)], "--seed"), (["--min-p", "-0.1"], "--min-p"),
-                        (["--min-p", "nan"], "finite")]:
+                        (["--min-p", "nan"], "finite"), (["--min-tokens-to-keep", "0"], "--min-tokens-to-keep"),
+                        (["--min-tokens-to-keep", "x"], "--min-tokens-to-keep")]:
         res = run.invoke(main, [*base, *flags])
         assert res.exit_code == 2 and word in res.output, (flags, res.output)
