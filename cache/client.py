@@ -7,6 +7,8 @@ a miss / False / None instead of raising, and never blocks longer than `timeout_
 - After a timeout or a failed send the client rests for `retry_after_s` (calls return misses at
   once), then tries again; ZeroMQ reconnects by itself when the process comes back.
 - A reply that arrives after its request timed out is recognised by its id and dropped.
+`find` and `write` also return the id of the store that answered (the reply's `store`; None from
+a cache process that does not send it), for the prefix cache's in-L2 marks (cache/tiers.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -34,6 +36,17 @@ class Written:
     # None when that is unknown: the request went out and no reply came (timeout), or a reply
     # without the list (the process failed mid-write). [] when nothing was sent.
     evicted: list[str] | None
+    # the id of the store that answered (None: no reply, or a cache process that sends none)
+    store: str | None = field(default=None, compare=False)
+
+
+@dataclass
+class Found:
+    """A `get` as answered (`CacheClient.find`): the first key held and its bytes, or none."""
+
+    key: str | None  # None: the cache process holds none of the keys intact
+    data: bytes | memoryview | None
+    store: str | None  # the id of the store that answered (None: a process that sends none)
 
 
 class CacheClient:
@@ -79,12 +92,23 @@ class CacheClient:
 
     def get_first(self, keys: list[str]) -> tuple[str, bytes | memoryview] | None:
         """The first of `keys` (in order) the cache process holds intact, with its bytes."""
+        found = self.find(keys)
+        if found is None or found.key is None:
+            return None
+        return found.key, found.data
+
+    def find(self, keys: list[str]) -> Found | None:
+        """`get_first` with the answering store's id, also on a miss; None: no answer."""
         if not keys:
             return None
         got = self._request({"op": "get", "keys": keys}, None, want_reply=True)
-        if got is None or not got[0].get("found") or got[1] is None:
+        if got is None:
             return None
-        return got[0]["key"], got[1]
+        reply, data = got
+        key = reply.get("key")
+        if not reply.get("found") or data is None or not isinstance(key, str):
+            return Found(None, None, _store(reply))
+        return Found(key, data, _store(reply))
 
     def put(self, key: str, data: bytes, wait: bool = False) -> bool:
         """Store bytes. wait=False: write-behind, True when handed to the socket (no ack);
@@ -118,7 +142,7 @@ class CacheClient:
         stored = bool(reply.get("ok"))
         if not stored:
             self._count("dropped_puts")
-        return Written(stored, evicted)
+        return Written(stored, evicted, _store(reply))
 
     def delete(self, key: str) -> bool:
         return self.call("delete", key=key) is not None
@@ -241,3 +265,9 @@ class CacheClient:
         if timeout:
             self._drop_socket()
         self._down_until = time.monotonic() + self.retry_after_s
+
+
+def _store(reply: dict[str, Any]) -> str | None:
+    """The store id a reply names (`store`), None when it names none (an older cache process)."""
+    s = reply.get("store")
+    return s if isinstance(s, str) and s else None

@@ -10,6 +10,11 @@ Wire (one msgpack header frame, then an optional raw payload frame):
     ops: ping, get {keys: [str]} -> first present intact       "code": str, ...} [+ payload]
          put {key, ack} + payload -> {evicted: [str]}, delete {key}, stats, clear,
          pos_put {name, positions}, pos_get {name}, pos_list, pos_delete {name}
+Every reply to a parsed request carries `store`: the id of the snapshot store it was served from.
+The id is made at random when the store is created (fresh, or recreated after damage) and kept in
+the store's own sqlite file (so a restart on the same store keeps it); a `clear` makes a new one.
+The worker counts L1 entries as in L2 only under the id they were stored or read under: another id
+means the store is not the one they are in (cache/tiers.py).
 A put with ack=False gets no reply. A put's reply, ok or not, lists the keys evicted to make room
 for it (`evicted`), so that the worker stops counting its L1 copies of them as stored in L2; a
 reply without the list (an `internal` error) means the worker cannot know what is still stored.
@@ -32,6 +37,7 @@ import errno
 import fcntl
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -55,6 +61,10 @@ MAX_POSITIONS = 1 << 22
 MAX_NAME = 200
 SNAP_PREFIX = "snap:"
 _LRU = "SELECT key FROM Cache WHERE key != ? ORDER BY access_time LIMIT 10"
+# The store's id lives in the store's own sqlite file, next to diskcache's tables: it goes with
+# that file (a fresh or repaired store has none yet, and gets a new one), and only with it.
+_ID_TABLE = ("CREATE TABLE IF NOT EXISTS DflashStore "
+             "(one INTEGER PRIMARY KEY CHECK (one = 1), id TEXT NOT NULL)")
 # Errors opening cache_dir that may pass (space freed, descriptors closed): a restart may help.
 _PASSING = {errno.ENOSPC, errno.EDQUOT, errno.EMFILE, errno.ENFILE, errno.ENOMEM}
 
@@ -110,6 +120,11 @@ class Store:
             self.counters["orphans_removed"] += repair.remove_orphans(cache)
         self._homes = {d: _identity(d / "cache.db") for d in (directory / "snapshots",
                                                                directory / "positions")}
+        self.id = _store_id(self.snaps)  # in every reply: the worker's in-L2 marks hold under it
+
+    def renew_id(self) -> None:
+        """A new id, kept in the store: its contents are no longer what they were (a clear)."""
+        self.id = _store_id(self.snaps, renew=True)
 
     def gone(self) -> str:
         """Why this store's files are no longer the ones on disk ("" while they are): a removed
@@ -196,7 +211,7 @@ class Store:
     def stats(self) -> dict[str, Any]:
         return dict(self.counters, entries=len(self.snaps), bytes=self.snaps.volume(),
                     size_limit=self.snaps.size_limit, position_lists=len(self.positions),
-                    recoveries=self.recoveries)
+                    recoveries=self.recoveries, store=self.id)
 
     def close(self) -> None:
         self.snaps.close()
@@ -262,7 +277,7 @@ class Server:
                 self.damaged, self.running = str(e), False
         if req.get("op") == "put" and not req.get("ack", True):
             return None
-        out = [peer, _pack(dict(result, id=rid))]
+        out = [peer, _pack(dict(result, id=rid, store=self.store.id))]
         if blob is not None:
             out.append(blob)
         return out
@@ -300,6 +315,8 @@ class Server:
         if op == "stats":
             return {"ok": True, "stats": st.stats()}, None
         if op == "clear":
+            # the id first: should the clear fail half way, no worker goes on trusting its marks
+            st.renew_id()
             st.snaps.clear(retry=True)
             return {"ok": True}, None
         if op.startswith("pos_"):
@@ -388,6 +405,17 @@ def _positions_key(key: str | None, data: bytes) -> str | None:
         return None
     ok = key is not None and isinstance(values, list) and all(type(p) is int and p >= 0 for p in values)
     return key if ok else None
+
+
+def _store_id(cache: diskcache.Cache, renew: bool = False) -> str:
+    """The id kept in `cache`'s sqlite file; made (at random) when it has none, or `renew`."""
+    cache._sql(_ID_TABLE)
+    row = None if renew else cache._sql("SELECT id FROM DflashStore LIMIT 1").fetchone()
+    if row is not None and isinstance(row[0], str) and row[0]:
+        return row[0]
+    new = secrets.token_hex(8)
+    cache._sql("INSERT OR REPLACE INTO DflashStore (one, id) VALUES (1, ?)", (new,))  # one statement
+    return new
 
 
 def _identity(path: Path) -> tuple[int, int] | None:

@@ -15,7 +15,9 @@ whose write did not land is spilled when L1 evicts it instead of being lost from
 It counts as in L2 only as long as L2 holds it, too: each acknowledgement lists the keys the cache
 process evicted to make room (its LRU knows nothing of L1 hits), and those L1 entries lose the
 mark, so L1 spills them again when it evicts them (a reply that never came may have evicted
-anything: then no L1 entry keeps the mark).
+anything: then no L1 entry keeps the mark). And only as long as the store is the one it was
+stored in: each reply names its store's id (cache/l2.py: new when a store is created fresh,
+repaired or cleared, kept across restarts on the same store); on another id every mark goes.
 
 `discard` (a snapshot that does not fit the loaded model) must win over a write of the same entry
 still queued or under way: its L2 delete goes through the writer's queue, behind any such write,
@@ -108,6 +110,10 @@ class PrefixCacheStats:
     # cache process failed mid-write): what they evicted is unknown, so no L1 entry kept its
     # in-L2 mark (those entries are counted in l2_evicted_in_l1)
     l2_unanswered_writes: int = 0
+    # times a reply named another L2 store than the one L1's in-L2 marks were made under (the
+    # store was recreated: damaged, removed, cleared): every mark was cleared (those entries are
+    # counted in l2_evicted_in_l1), so L1 spills them when it evicts them instead of losing them
+    l2_store_changed: int = 0
     l1: TierStats = field(default_factory=TierStats)
     l2: TierStats = field(default_factory=TierStats)
 
@@ -160,6 +166,11 @@ class PrefixCache:
         self._gone_floor = 0
         # keys whose discard's L2 delete is queued (-> how many): not asked of L2 until it ran
         self._deleting: dict[str, int] = {}
+        # The id of the L2 store the in-L2 marks were made under (None: none seen yet, or unknown),
+        # and how many times it was taken up or dropped: a reply to a request sent before the
+        # last such change may come from either store (see _store_seen).
+        self._l2_store: str | None = None
+        self._store_epoch = 0
 
     # --- the engine's interface ------------------------------------------------------------
     def boundaries(self, n_prompt: int) -> list[int]:
@@ -247,15 +258,21 @@ class PrefixCache:
             self.l1.clear()
 
     def stats(self, remote: bool = False) -> dict[str, Any]:
-        """Counters per tier; remote=True also asks the cache process for its own."""
+        """Counters per tier; remote=True also asks the cache process for its own (and notes
+        which store answered, like any other reply)."""
+        r = None
+        if remote and self.l2 is not None:
+            with self._lock:
+                epoch = self._store_epoch
+            r = self.l2.stats()
         with self._lock:  # one consistent set, copied: the counters go on changing after
+            if r is not None:
+                self._store_seen(r.get("store"), epoch)
             out = asdict(self._stats)
             out["l1"].update(bytes=self.l1.bytes, entries=len(self.l1), evictions=self.l1.evictions)
-        if remote and self.l2 is not None:
-            r = self.l2.stats()
-            if r is not None:
-                out["l2"].update(bytes=r["bytes"], entries=r["entries"], evictions=r["evictions"])
-                out["l2_remote"] = r
+        if r is not None:
+            out["l2"].update(bytes=r["bytes"], entries=r["entries"], evictions=r["evictions"])
+            out["l2_remote"] = r
         out["l2_available"] = self.l2 is not None and self.l2.available
         return out
 
@@ -282,12 +299,16 @@ class PrefixCache:
         if self.l2 is None or not keys:
             return None
         with self._lock:  # eviction reports after this may concern the entry this brings back
-            mark = self._reports
+            mark, epoch = self._reports, self._store_epoch
         while keys:
-            got = self.l2.get_first(keys)
+            got = self.l2.find(keys)
             if got is None:
                 return None
-            key, data = got
+            if got.key is None:  # a miss still says which store answered
+                with self._lock:
+                    self._store_seen(got.store, epoch)
+                return None
+            key, data = got.key, got.data
             try:
                 # The process checks too; never load a bad entry, nor one stored for another key.
                 if fmt.entry_key(data) != key:
@@ -299,6 +320,8 @@ class PrefixCache:
                 log.warning("dropping corrupt L2 entry %s: %s", key, e)
                 with self._lock:
                     self._stats.corrupt_dropped += 1
+                    self._store_seen(got.store, epoch)
+                    epoch = self._store_epoch  # the next get is sent after this
                 self.l2.delete(key)
                 keys = keys[keys.index(key) + 1 :]
                 continue
@@ -307,7 +330,8 @@ class PrefixCache:
                 self._stats.lookups += 1
                 self._stats.l2.hits += 1
                 self._stats.l2.hit_tokens += n
-            self._put_l1(key, L1Entry(n, snap, snap.nbytes, in_l2=True), l2_mark=mark)
+            self._put_l1(key, L1Entry(n, snap, snap.nbytes, in_l2=True), l2_mark=mark,
+                         l2_store=(got.store, epoch))
             return n, snap
         return None
 
@@ -408,8 +432,10 @@ class PrefixCache:
                 entry.pending = False
                 self._stats.l2_discarded_writes += 1
                 return
+            epoch = self._store_epoch  # before the request: see _store_seen
         ok = too_large = False
         evicted: list[str] | None = []
+        store: str | None = None
         try:
             data = fmt.encode(body, key)
             del body
@@ -417,12 +443,13 @@ class PrefixCache:
                 too_large = True
             elif self.l2 is not None:
                 written = self.l2.write(key, data)
-                ok, evicted = written.stored, written.evicted
+                ok, evicted, store = written.stored, written.evicted, written.store
         except Exception:
             log.exception("could not write snapshot %s", key)
         finally:
             body = data = None
             with self._lock:  # the outcome and the flags together: _spill sees one or the other
+                same_store = self._store_seen(store, epoch)  # first: it may clear every mark
                 self._evicted_from_l2(evicted)
                 if too_large:
                     self._stats.l2_too_large += 1
@@ -432,8 +459,8 @@ class PrefixCache:
                     self._stats.l2_writes += 1
                     if entry.discarded:  # landed after its discard: the queued delete removes it
                         self._stats.l2_discarded_writes += 1
-                    else:
-                        entry.in_l2 = True
+                    else:  # unless it may have landed in a store that is gone by now
+                        entry.in_l2 = same_store
                 else:
                     self._write_failed(key, entry)
 
@@ -460,14 +487,57 @@ class PrefixCache:
         if held:
             log.info("L2 evicted %d snapshot(s) L1 holds: spilled again when L1 evicts them", len(held))
 
+    def _store_seen(self, store: Any, epoch: int) -> bool:
+        """(Lock held.) A reply names the L2 store that served it (`store`; None from a cache
+        process that names none: marks as before); `epoch` was _store_epoch when its request was
+        sent. True when an in-L2 mark made from this reply holds.
+
+        Another id than the marks' means the store is not the one they were made in (created
+        fresh, repaired, cleared): every mark goes (L1 spills those entries when it evicts them
+        instead of losing them). Ids are random, not ordered, so a reply is trusted to be the
+        newest store only when no other id was taken up while its request was out (a request
+        sent after a change is served by that store or a later one); otherwise it may be an
+        older store's late reply or a newer one's: no mark is made from it and, should it differ,
+        every mark goes and the next reply decides."""
+        if not isinstance(store, str) or not store or store == self._l2_store:
+            return True
+        if epoch != self._store_epoch:
+            if self._l2_store is not None:
+                self._marks_gone(self._l2_store, "not known yet")
+                self._l2_store = None
+                self._store_epoch += 1
+            return False
+        if self._l2_store is not None:
+            self._marks_gone(self._l2_store, store)
+        self._l2_store = store  # the first id seen (or the first after doubt): the marks are its
+        self._store_epoch += 1
+        return True
+
+    def _marks_gone(self, old: str, new: str) -> None:
+        """(Lock held.) The L2 store changed: no L1 entry is known to be in it any more."""
+        held = [e for e in self.l1.values() if e.in_l2]
+        for e in held:
+            e.in_l2 = False
+        self._stats.l2_store_changed += 1
+        self._stats.l2_evicted_in_l1 += len(held)
+        # a warning when it cost something (after a `cache clear`, which empties L1 first, none)
+        log.log(logging.WARNING if held else logging.INFO,
+                "L2 store changed (id %s, now %s): %d snapshot(s) L1 holds no longer count as in L2 "
+                "and are written there again when L1 evicts them", old, new, len(held))
+
     def _gone_since(self, key: str, mark: int) -> bool:
         """(Lock held.) Whether an eviction report after report `mark` may have named `key`."""
         return self._gone_floor > mark or self._l2_gone.get(key, 0) > mark
 
-    def _put_l1(self, key: str, entry: L1Entry, l2_mark: int | None = None) -> None:
+    def _put_l1(self, key: str, entry: L1Entry, l2_mark: int | None = None,
+                l2_store: tuple[str | None, int] | None = None) -> None:
         """Put `entry` in L1 and spill what that evicts. `l2_mark`: the entry comes from L2 as
-        of eviction report `l2_mark`; a write since may have evicted it there."""
+        of eviction report `l2_mark`; a write since may have evicted it there. `l2_store`: (the
+        store id its get reply named, the epoch that get was sent at), checked in this same
+        locked step, so a change seen meanwhile cannot leave it marked."""
         with self._lock:
+            if l2_store is not None and not self._store_seen(*l2_store):
+                entry.in_l2 = False
             if l2_mark is not None and self._gone_since(key, l2_mark):
                 entry.in_l2 = False
             evicted = self.l1.put(key, entry)

@@ -121,8 +121,8 @@ def cache_stats(cfg: DaemonConfig, cache: PrefixCache | None, remote: dict | Non
     if local is not None:
         out.update({k: local[k] for k in ("lookups", "misses", "inserts", "l2_writes", "l2_dropped_writes",
                                            "l2_lost_writes", "l2_discarded_writes", "l2_evicted_in_l1",
-                                           "l2_unanswered_writes", "l2_too_large", "corrupt_dropped",
-                                           "mismatch_dropped")})
+                                           "l2_unanswered_writes", "l2_store_changed", "l2_too_large",
+                                           "corrupt_dropped", "mismatch_dropped")})
         out["l1"], out["l2"] = dict(local["l1"]), dict(local["l2"])
         out["hits"] = local["l1"]["hits"] + local["l2"]["hits"]
         out["hit_tokens"] = local["l1"]["hit_tokens"] + local["l2"]["hit_tokens"]
