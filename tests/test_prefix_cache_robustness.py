@@ -55,7 +55,11 @@ def test_write_dropped_while_l2_down_is_spilled_on_eviction(pairs, cache_proc): 
     assert pc.stats()["l2_writes"] == 0 and pc.stats()["l2_dropped_writes"] >= 1
 
     proc.start()  # back: the entries that missed L2 must reach it when L1 evicts them
-    time.sleep(0.1)
+    # pc's client rests after the failures, then ZeroMQ reconnects (backing off up to 1 s): a
+    # spill sent before it is connected again fails and is lost, by design. Wait until it is.
+    deadline = time.monotonic() + 15
+    while not pc.l2.ping() and time.monotonic() < deadline:
+        time.sleep(0.05)
     for text in OTHER:  # new prompts push the first prompt's snapshots out of L1
         _gen(pair, pair.tokenizer.encode(text), pc)
     assert pc.flush()
@@ -119,6 +123,9 @@ def _mismatch_case(pair_a, pair_b, cache_proc):  # noqa: F811
     assert l1.stats.cached_prompt_tokens == 0
     assert l1.token_ids == plain.token_ids
     assert pc.stats()["mismatch_dropped"] == 1
+    # pc's discard (a delete) and pair_b's own snapshots go to L2 behind it on pc's writer: let
+    # them land before pc2 writes pair_a's under the same keys, or they could land after
+    assert pc.flush()
 
     pc2 = PrefixCache(_ident(), Snapshot.decode, proc.client(), every=EVERY)
     _gen(pair_a, ids, pc2)  # pair_a's snapshots again, in L2
