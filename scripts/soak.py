@@ -2,6 +2,7 @@
 
     python scripts/soak.py [--requests 300] [--every 25] [--threads 3] [--model DIR --draft DIR]
                            [--out benchmark/results/soak.json] [--seed 0] [--max-tokens 24]
+                           [--settle-s 6] [--smaps]
 
 Starts a real daemon (supervisor, worker, cache process) in a private tmp dir, on a tiny
 random-weight pair unless --model is given, and sends it --requests requests from --threads
@@ -18,7 +19,13 @@ running, no held job) and one sample is taken of each daemon process (supervisor
 process; pids from the runtime dir's supervisor.pid and supervisor.json): RSS, open file
 descriptors by kind (/proc/PID/fd), threads, and the worker's own table sizes (`stats`
 `tables`: watchers, held, waiting, queue, events, job store rows, MLX memory), the cache
-process's entries, and files under the daemon's dirs. One progress line per sample. The JSON
+process's entries, and files under the daemon's dirs. RSS is also split into anonymous, file
+and shared memory (RssAnon/RssFile/RssShmem); --smaps splits it further by mapping (brk heap,
+other anonymous maps such as glibc's thread arenas, libraries, each mapped file such as the job
+store's SQLite database). A sample is taken a heartbeat or two after the worker goes idle, before
+its idle housekeeping (IDLE_RELEASE_S, 5 s: MLX's cached buffers and glibc's free heap pages go
+back to the OS) has run: --settle-s 6 samples after it instead, the memory a daemon left idle
+between bursts holds. One progress line per sample. The JSON
 (--out) holds the machine, the command, the series and a verdict: each metric's growth per 100
 requests after the warm-up (a least-squares slope over the samples past --warmup requests) and
 whether that is growth or noise. Linux only (/proc).
@@ -72,9 +79,12 @@ BY_DESIGN = {
     "l1.bytes": "L1 fills up to its budgets",
     "worker.tables.mlx_active_bytes": "mostly L1's snapshots: see worker.mlx_beyond_l1_bytes",
     "worker.tables.mlx_cache_bytes": "MLX's cache of freed buffers, one per size seen; returned after 5 s idle",
+    "worker.smaps.file:cache.db_rss_kb": "the job store's SQLite file, memory-mapped (diskcache: up to 64 MiB): "
+                                         "its pages follow the kept results; file-backed, the kernel reclaims them",
+    "cache.smaps.file:cache.db_rss_kb": "the L2 store's SQLite file, memory-mapped: follows cache.entries",
 }
 # Growth per 100 requests below which a gauge is noise (counts: any steady rise is growth).
-THRESHOLDS = {"rss_kb": 1024, "bytes": 1 << 20, "py_blocks": 500}
+THRESHOLDS = {"_kb": 1024, "bytes": 1 << 20, "py_blocks": 500}
 
 
 # ---------------------------------------------------------------------------- the daemon
@@ -346,6 +356,8 @@ def proc_sample(pid: int) -> dict[str, Any]:
             key, _, value = line.partition(":")
             if key == "VmRSS":
                 out["rss_kb"] = int(value.split()[0])
+            elif key in ("RssAnon", "RssFile", "RssShmem"):
+                out[key.lower().replace("rss", "rss_") + "_kb"] = int(value.split()[0])
             elif key == "Threads":
                 out["threads"] = int(value)
         kinds: Counter[str] = Counter()
@@ -370,6 +382,42 @@ def proc_sample(pid: int) -> dict[str, Any]:
     return out
 
 
+def smaps(pid: int) -> dict[str, int]:
+    """RSS by kind of mapping (/proc/PID/smaps), kB: `heap` (brk, glibc's main arena), `anon`
+    (other anonymous maps: thread arenas, large mallocs, MLX buffers), `stack`, `libs` (.so text
+    and data), `shmem` (SQLite's -shm wal index and other shared maps), `file:NAME` for other
+    mapped files (SQLite's mmap of its database), and `anon_maps`, the number of anonymous maps.
+    For --smaps: which kind of memory an RSS creep is."""
+    out: Counter[str] = Counter()
+    group = None
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                head = line.split(None, 5)
+                if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):  # a mapping's header
+                    path = head[5].strip() if len(head) > 5 else ""
+                    if path == "[heap]":
+                        group = "heap"
+                    elif path.startswith("[stack"):
+                        group = "stack"
+                    elif not path or path.startswith("[anon"):
+                        group = "anon"
+                        out["anon_maps"] += 1
+                    elif path.startswith("["):
+                        group = "other"
+                    elif ".so" in Path(path).name:
+                        group = "libs"
+                    elif path.startswith(("/dev/shm", "/SYSV")) or path.endswith("-shm"):
+                        group = "shmem"
+                    else:
+                        group = "file:" + Path(path.split(" (deleted)")[0]).name
+                elif head[0] == "Rss:" and group is not None:
+                    out[group] += int(head[1])
+    except OSError:
+        return {}
+    return dict(sorted(out.items()))
+
+
 def count_files(root: Path) -> int:
     return sum(len(files) for _, _, files in os.walk(root))
 
@@ -388,11 +436,15 @@ def wait_idle(c: DFlashClient, timeout: float = 120.0) -> dict:
         time.sleep(0.2)
 
 
-def sample(d: Daemon, c: DFlashClient, done: int, t0: float) -> dict[str, Any]:
+def sample(d: Daemon, c: DFlashClient, done: int, t0: float, with_smaps: bool = False,
+           settle_s: float = 0.0) -> dict[str, Any]:
     st = wait_idle(c)
-    time.sleep(2 * d.cfg.heartbeat_s)  # a heartbeat or two: late cleanups (a gone client) land
+    time.sleep(max(2 * d.cfg.heartbeat_s, settle_s))  # a heartbeat or two: late cleanups (a gone client) land
     st = c.stats()
     procs = {name: proc_sample(pid) for name, pid in d.pids().items()}
+    if with_smaps:
+        for name, p in procs.items():
+            p["smaps"] = smaps(p["pid"])
     remote = (st.get("cache") or {}).get("l2_process") or {}
     return {
         "requests": done,
@@ -411,9 +463,11 @@ def flat(s: dict[str, Any]) -> dict[str, float]:
     """The sample's numbers as {dotted.name: value}, the verdict's metrics."""
     out: dict[str, float] = {}
     for name, p in s["procs"].items():
-        for k in ("rss_kb", "fds", "threads"):
+        for k in ("rss_kb", "rss_anon_kb", "rss_file_kb", "rss_shmem_kb", "fds", "threads"):
             if k in p:
                 out[f"{name}.{k}"] = p[k]
+        out.update({f"{name}.smaps.{k}" + ("" if k == "anon_maps" else "_rss_kb"): v
+                    for k, v in p.get("smaps", {}).items()})
     out.update({f"worker.tables.{k}": v for k, v in s["tables"].items()})
     out.update({f"cache.{k}": v for k, v in s["cache"].items() if isinstance(v, (int, float))})
     out.update({f"l1.{k}": v for k, v in s["l1"].items() if isinstance(v, (int, float))})
@@ -497,6 +551,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", default=None, help=f"comma-separated subset of the mix: {', '.join(MIX)}")
     ap.add_argument("--l1-entries", type=int, default=8,
                     help="the daemon's l1_cache_entries: small, so L1 is full after the warm-up")
+    ap.add_argument("--smaps", action="store_true",
+                    help="also record each process's RSS by kind of mapping (/proc/PID/smaps: heap, anon, files)")
+    ap.add_argument("--settle-s", type=float, default=0.0,
+                    help="wait this long once idle before each sample (past IDLE_RELEASE_S: idle housekeeping has run)")
     ap.add_argument("--out", default=None, help="JSON file for the series and the verdict")
     ap.add_argument("--log", default=None, help="keep the daemon's log here")
     args = ap.parse_args(argv)
@@ -518,18 +576,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         d.start()
         with d.client(timeout=60) as c:
-            series.append(sample(d, c, 0, t0))
+            series.append(sample(d, c, 0, t0, args.smaps, args.settle_s))
             done = 0
             while done < args.requests:
                 n = min(args.every, args.requests - done)
                 run_batch(load, n, args.threads)
                 done += n
-                s = sample(d, c, done, t0)
+                s = sample(d, c, done, t0, args.smaps, args.settle_s)
                 series.append(s)
                 w, t = s["procs"].get("worker", {}), s["tables"]
                 busy = {k: v for k, v in t.items() if k in ("watchers", "held", "waiting", "queue_jobs", "queue_heap",
                                                             "events", "tasks", "store_jobs") and v}
+                kinds_ = w.get("smaps") or {}
                 print(f"[{s['elapsed_s']:7.1f}s] {done:5d} requests  worker rss {w.get('rss_kb', 0) / 1024:7.1f} MiB "
+                      f"(anon {w.get('rss_anon_kb', 0) / 1024:.1f}, file {w.get('rss_file_kb', 0) / 1024:.1f}"
+                      + (f"; heap {kinds_.get('heap', 0)} anon {kinds_.get('anon', 0)} shmem {kinds_.get('shmem', 0)} "
+                         f"files {sum(v for k, v in kinds_.items() if k.startswith('file:'))} kB" if kinds_ else "")
+                      + ") "
                       f"fds {w.get('fds')} threads {w.get('threads')}  "
                       f"cache fds {s['procs'].get('cache', {}).get('fds')}"
                       f"  results {t.get('store_results')}  mlx cache {t.get('mlx_cache_bytes', 0) >> 20} MiB"
