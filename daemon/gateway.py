@@ -98,7 +98,10 @@ def _shutting_down() -> S.ApiError:
 
 def json_error(err: S.ApiError) -> web.Response:
     headers = {"Retry-After": "1"} if err.status == 429 else None
-    return web.json_response(err.body(), status=err.status, headers=headers)
+    resp = web.json_response(err.body(), status=err.status, headers=headers)
+    if err.close:
+        resp.force_close()
+    return resp
 
 
 # ----------------------------------------------------------------------------- aiohttp's own answers
@@ -157,10 +160,21 @@ class JsonErrorConnection(web.RequestHandler):
 
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
-        super().handle_error(request, status, exc, message)  # aiohttp's logging; raises once an answer began
-        if self.metrics is not None and status < 500:  # a 5xx here escaped the middleware, which counted it
-            self.metrics.request("other", status)
-        resp = json_error(parse_error(status, exc, message))
+        err = parse_error(status, exc, message)
+        if status >= 500:
+            super().handle_error(request, status, exc, message)  # aiohttp's logging; raises once an answer began
+        else:
+            # A request the client got wrong. aiohttp logged each one as an ERROR with the parser's
+            # traceback (all but a bad method on a connection's first request), so any client
+            # could fill the gateway's log with tracebacks (the soak audit found them): one line at
+            # DEBUG instead, as aiohttp logs non-HTTP traffic, and aiohttp's check that no answer began.
+            log.debug("invalid HTTP request from %s: %s", request.remote, err.message)
+            if request.writer.output_size > 0:
+                raise ConnectionError("Response is sent already, cannot send another response "
+                                      "with the error message")
+            if self.metrics is not None:  # (a 5xx escaped the middleware, which counted it)
+                self.metrics.request("other", status)
+        resp = json_error(err)
         resp.force_close()  # as aiohttp's: after a parse error the rest of the connection is not trusted
         return resp
 
@@ -381,9 +395,15 @@ class Gateway:
         try:
             raw = await request.read()
         except web.RequestPayloadError:  # e.g. a gzip body that does not decompress: the client's error
+            # aiohttp's parser stops for good at such a body (the rest of the connection is never
+            # read): the answer closes the connection, and the body is ended here, or aiohttp drained
+            # it after the answer, met the error again and logged an "Unhandled exception" (three
+            # chained tracebacks at ERROR) for every such request (found by scripts/gateway_soak.py)
+            request.content.feed_eof()
             encoding = request.headers.get("Content-Encoding")
             how = f" (Content-Encoding: {encoding})" if encoding else ""
-            raise S.ApiError(400, f"could not read the request body{how}", code="invalid_body") from None
+            raise S.ApiError(400, f"could not read the request body{how}", code="invalid_body",
+                             close=True) from None
         try:
             body = json.loads(raw)
         except RecursionError:  # the parser recursed on deep nesting ([[[[...)

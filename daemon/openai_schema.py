@@ -59,12 +59,14 @@ MAX_DEPTH = P.MAX_NESTING  # JSON nesting the daemon accepts in a field (the bod
 
 
 class ApiError(Exception):
-    """An error answered as {"error": {message, type, param, code}} with an HTTP status."""
+    """An error answered as {"error": {message, type, param, code}} with an HTTP status; `close`:
+    the answer also closes the connection (`Connection: close`), which cannot carry another request."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, close: bool = False):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.close = close
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -384,3 +384,41 @@ def test_a_real_gateway_answers_aiohttp_errors_and_expect_in_json(real_gw):
     with real_gw.openai().chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
                                                   max_tokens=4, stream=True) as stream:
         assert list(stream)  # streaming is untouched by the middleware
+
+
+def test_parse_errors_are_not_logged_as_server_errors(real_gw):
+    """Every request aiohttp's parser refused was logged as an ERROR with its traceback (aiohttp's
+    `logger.exception`; the gateway soak audit found them, scripts/gateway_soak.py), so any client
+    could fill `dflash serve`'s log with tracebacks: a client's mistake is now one line at DEBUG,
+    and the answer is still the JSON 400."""
+    log_path = real_gw.err.name
+    before = len(open(log_path, "rb").read())
+    for name, (data, _) in UNPARSABLE.items():
+        code, _, raw = _parse(_raw(real_gw.port, data))
+        assert code == 400 and _error(raw)["code"] == "invalid_http", name
+    assert real_gw.http("GET", "/health", key=None)[0] == 200  # served on, and anything it logs is in by now
+    added = open(log_path, "rb").read()[before:].decode(errors="replace")
+    assert "Traceback" not in added and "Error handling request" not in added, added[:2000]
+
+
+def test_an_unreadable_body_closes_its_connection_without_a_traceback(real_gw):
+    """A body aiohttp cannot decode (gzip that is not): the 400 invalid_body closes the connection,
+    which aiohttp's parser never reads again, and logs nothing. The answer was sent as kept alive,
+    then aiohttp drained the body, met the error again and logged an "Unhandled exception" (three
+    chained tracebacks at ERROR) for every such request; a client that reused the connection was
+    reset (found by scripts/gateway_soak.py)."""
+    log_path = real_gw.err.name
+    before = len(open(log_path, "rb").read())
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode()
+            + b"\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\nContent-Length: 15\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", real_gw.port), timeout=30) as s:
+        s.sendall(head + b"not gzip at all")  # kept alive: no Connection: close
+        reply = b""
+        while chunk := s.recv(65536):  # the server closes the connection after the answer
+            reply += chunk
+    code, headers, raw = _parse(reply)
+    assert code == 400 and _error(raw)["code"] == "invalid_body"
+    assert headers.get("connection", "").lower() == "close"
+    assert real_gw.http("GET", "/health", key=None)[0] == 200
+    added = open(log_path, "rb").read()[before:].decode(errors="replace")
+    assert "Traceback" not in added and "Unhandled exception" not in added, added[:2000]
