@@ -418,8 +418,14 @@ def cache_detail_lines(cache: dict | None) -> list[str]:
     proc = cache.get("l2_process") or {}
     lines = [
         f"{'cache snapshots':18} {cache.get('inserts', 0)} taken; {cache.get('misses', 0)} lookups found none",
-        f"{'cache L2 writes':18} {cache.get('l2_writes', 0)} written, {cache.get('l2_dropped_writes', 0)} dropped, "
-        f"{cache.get('corrupt_dropped', 0)} corrupt entries dropped",
+        f"{'cache L2 writes':18} {cache.get('l2_writes', 0)} written, {cache.get('l2_dropped_writes', 0)} dropped "
+        f"({cache.get('l2_lost_writes', 0)} of them lost from both tiers), {cache.get('l2_too_large', 0)} too large "
+        f"for L2, {cache.get('l2_discarded_writes', 0)} of discarded snapshots",
+        f"{'cache dropped':18} {cache.get('corrupt_dropped', 0)} corrupt, {cache.get('mismatch_dropped', 0)} not "
+        f"fitting the model",
+        f"{'cache L1 vs L2':18} {cache.get('l2_evicted_in_l1', 0)} L1 entries found gone from L2, written again "
+        f"when L1 evicts them ({cache.get('l2_store_changed', 0)} store changes, "
+        f"{cache.get('l2_unanswered_writes', 0)} unanswered writes)",
     ]
     if proc:
         lines += [

@@ -261,7 +261,8 @@ def test_oracle_on_a_decisive_random_target_takes_every_block(tmp_path: Path) ->
 
 def test_sampling_side_by_side(tiny: Path, tmp_path: Path) -> None:
     output, data = _invoke(["--model", str(tiny / "target"), "--draft", str(tiny / "draft"),
-                            "--temperature", "0,0.7", "--top-k", "20", "--seed", "3"], tmp_path)
+                            "--temperature", "0,0.7", "--top-k", "20", "--min-p", "0.05",
+                            "--min-tokens-to-keep", "3", "--seed", "3"], tmp_path)
     assert [(r["context"], r["temperature"]) for r in data["summary"]] == [
         (c, t) for t in (0.0, 0.7) for c in CONTEXTS]
     sampled = [r for r in data["runs"] if r["temperature"] == 0.7]
@@ -274,6 +275,7 @@ def test_sampling_side_by_side(tiny: Path, tmp_path: Path) -> None:
         assert row["lossless"] is (None if row["temperature"] else True)
         assert row["acceptance"] >= 0 and row["tokens_per_cycle"] >= 1
     assert data["config"]["temperatures"] == [0.0, 0.7] and data["config"]["top_k"] == 20
+    assert (data["config"]["min_p"], data["config"]["min_tokens_to_keep"]) == (0.05, 3)
     assert "temp" in output
     with pytest.raises(ValueError, match="greedy only"):
         run_benchmark(BenchConfig(model=str(tiny / "target"), oracle=True, temperatures=[0.5],

@@ -154,7 +154,8 @@ def test_cli_cache_show_and_clear(daemon, client):
     client.generate(PROMPTS[5], max_tokens=4)
     shown = _cli(daemon.endpoint, "cache")
     assert shown.returncode == 0, shown.stderr
-    for words in ("cache L1", "cache L2", "cache snapshots", "cache L2 budget", "position lists"):
+    for words in ("cache L1", "cache L2", "cache snapshots", "cache L2 budget", "position lists",
+                  "cache dropped", "cache L1 vs L2", "lost from both tiers"):
         assert words in shown.stdout, shown.stdout
     labels = [line[:18] for line in shown.stdout.splitlines()]
     assert [line[:18] for line in _cli(daemon.endpoint, "cache", "show").stdout.splitlines()] == labels

@@ -112,6 +112,11 @@ def _temperatures(_ctx: Any, _param: Any, value: str) -> list[float]:
               callback=finite_option, help="Sampling: nucleus mass (1 = off), for both engines.")
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(0),
               help="Sampling: keep the k most likely tokens (0 = off), for both engines.")
+@click.option("--min-p", default=0.0, show_default=True, type=click.FloatRange(0, 1), callback=finite_option,
+              help="Sampling: keep the tokens at least this fraction as likely as the most likely one "
+                   "(0 = off), for both engines.")
+@click.option("--min-tokens-to-keep", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Sampling with --min-p: the most likely tokens min-p always keeps, for both engines.")
 @click.option("--first-time-lengths/--no-first-time-lengths", default=True, show_default=True,
               help="Every timed run at cache lengths never run before in the process (its own "
                    "prompt length); off: one prompt re-run by every run (the old method; --chat "

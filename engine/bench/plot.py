@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
 
-    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m dflash.engine.bench.plot", description=main.__doc__)
     ap.add_argument("results", nargs="+", type=Path, help="JSON files written by dflash benchmark")
     a = ap.parse_args(argv)
     for f in a.results:

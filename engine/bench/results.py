@@ -70,6 +70,8 @@ def method(cfg: BenchConfig, setup: Setup, runs: list[dict], first_time_used: bo
         "temperatures": list(cfg.temperatures),
         "top_p": cfg.top_p,
         "top_k": cfg.top_k,
+        "min_p": cfg.min_p,
+        "min_tokens_to_keep": cfg.min_tokens_to_keep,
         "lossless_check": "greedy only: DFlash ids vs a baseline run on the same prompt; "
                           "sampled runs: null (ids are draws, compare acceptance and speed)",
         "decisive_random_target": setup.decisive,

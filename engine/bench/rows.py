@@ -127,7 +127,8 @@ class Bench:
         if temperature == 0:
             return GREEDY
         return Sampling(temperature, self.cfg.top_p, self.cfg.top_k,
-                        (self.cfg.seed * 1_000_003 + self.counter) % 2**63)
+                        (self.cfg.seed * 1_000_003 + self.counter) % 2**63,
+                        self.cfg.min_p, self.cfg.min_tokens_to_keep)
 
     def prompt(self, length: int) -> list[int]:
         return prompt_ids(self.setup, length, self.text, self.cfg.seed)

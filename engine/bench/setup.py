@@ -76,6 +76,8 @@ class BenchConfig:
     temperatures: list[float] = field(default_factory=lambda: [0.0])  # 0 = greedy
     top_p: float = 1.0  # sampling only; 1 = off
     top_k: int = 0  # sampling only; 0 = off
+    min_p: float = 0.0  # sampling only; 0 = off
+    min_tokens_to_keep: int = 1  # sampling with min_p: the tokens min-p always keeps
     first_time_lengths: bool = True  # every timed run at cache lengths new to the process
     seed: int = 0  # random prompt ids, random weights, sampling draws
     plot: bool = True

@@ -51,14 +51,16 @@ def run_baseline(
     setup: Setup, ids: list[int], max_tokens: int, sampling: Sampling = GREEDY
 ) -> tuple[list[int], dict]:
     """mlx-lm's stream_generate on the same model: greedy (its default sampler is argmax), or
-    `make_sampler(temperature, top_p=..., top_k=...)` with MLX's global seed set to `seed`."""
+    `make_sampler(temperature, top_p=..., min_p=..., min_tokens_to_keep=..., top_k=...)` with
+    MLX's global seed set to `seed`."""
     from mlx_lm.generate import stream_generate
 
     sampler = None
     if not sampling.greedy:
         from mlx_lm.sample_utils import make_sampler
 
-        sampler = make_sampler(sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+        sampler = make_sampler(sampling.temperature, top_p=sampling.top_p, min_p=sampling.min_p,
+                               min_tokens_to_keep=sampling.min_tokens_to_keep, top_k=sampling.top_k)
         mx.random.seed(sampling.seed or 0)
     eos = setup.tokenizer.eos_token_ids
     mx.synchronize()
@@ -100,6 +102,7 @@ def run_dflash(
     gen = stream_dflash_generate(
         setup.target, drafter, setup.tokenizer, ids, max_tokens, verify_window=window,
         temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+        min_p=sampling.min_p, min_tokens_to_keep=sampling.min_tokens_to_keep,
         seed=sampling.seed, copy_draft=copy_draft, teacher=teacher,
     )
     for ev in gen:
