@@ -8,7 +8,7 @@ a miss / False / None instead of raising, and never blocks longer than `timeout_
   once), then tries again; ZeroMQ reconnects by itself when the process comes back.
 - A reply that arrives after its request timed out is recognised by its id and dropped.
 `find` and `write` also return the id of the store that answered (the reply's `store`; None from
-a cache process that does not send it), for the prefix cache's in-L2 marks (cache/tiers.py).
+a cache process that does not send it), for the prefix cache's in-L2 marks (cache/marks.py).
 """
 
 from __future__ import annotations

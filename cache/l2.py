@@ -14,7 +14,7 @@ Every reply to a parsed request carries `store`: the id of the snapshot store it
 The id is made at random when the store is created (fresh, or recreated after damage) and kept in
 the store's own sqlite file (so a restart on the same store keeps it); a `clear` makes a new one.
 The worker counts L1 entries as in L2 only under the id they were stored or read under: another id
-means the store is not the one they are in (cache/tiers.py).
+means the store is not the one they are in (cache/marks.py).
 A put with ack=False gets no reply. A put's reply, ok or not, lists the keys evicted to make room
 for it (`evicted`), so that the worker stops counting its L1 copies of them as stored in L2; a
 reply without the list (an `internal` error) means the worker cannot know what is still stored.

@@ -7,48 +7,37 @@ the prompt's own length, lengths of prompts inserted earlier, and every multiple
 
 Snapshot objects are opaque here; they need `n_tokens`, `nbytes` and `body()` (the msgpack-able
 map of dflash.cache.snapshot, built cheaply on the caller's thread), and `decode(bytes)` builds
-one back (engine/prefix.py provides both). L2 writes are write-behind: a writer thread turns
-bodies into bytes and hands them to the cache process, so taking a snapshot during a prefill
-never waits for encoding or the socket (it did: ~2 s of a 31 ms H200 prefill at 4K tokens).
-The writer awaits each write's acknowledgement: an L1 entry counts as in L2 only then, so one
-whose write did not land is spilled when L1 evicts it instead of being lost from both tiers.
-It counts as in L2 only as long as L2 holds it, too: each acknowledgement lists the keys the cache
-process evicted to make room (its LRU knows nothing of L1 hits), and those L1 entries lose the
-mark, so L1 spills them again when it evicts them (a reply that never came may have evicted
-anything: then no L1 entry keeps the mark). And only as long as the store is the one it was
-stored in: each reply names its store's id (cache/l2.py: new when a store is created fresh,
-repaired or cleared, kept across restarts on the same store); on another id every mark goes.
-
-`discard` (a snapshot that does not fit the loaded model) must win over a write of the same entry
-still queued or under way: its L2 delete goes through the writer's queue, behind any such write,
-and the entry is marked discarded so that a write not yet sent is skipped. The engine thread
-never waits for the cache process there.
+one back (engine/prefix.py provides both). This module holds the key, the lookup over L1 then
+L2 and what goes into L1; L2 writes are write-behind (L2Writer, cache/writer.py: puts, discards'
+deletes, the pending bound), and whether an L1 entry still counts as in L2 is L2Marks'
+(cache/marks.py: the cache process's eviction reports and store ids).
 
 Three threads meet here in the daemon: the engine's (lookup, insert), the writer (write outcomes)
 and the socket thread (`stats`). One lock guards every counter, L1 and the entries' write flags,
-and is never held across a round trip, an encode or MLX work.
+and is never held across a round trip, an encode or MLX work. It lives here (`PrefixCache._lock`)
+and is handed to the L2Writer and L2Marks, which have none of their own: a write's outcome, the
+marks it clears and the counters change in one step, and one stats() is one consistent set.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import queue
 import sys
 import threading
 from array import array
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 from .client import CacheClient
 from .l1 import L1, L1Entry
 from . import snapshot as fmt
+from .marks import MAX_GONE, L2Marks  # noqa: F401  (MAX_GONE: still importable from here)
 from .snapshot import FORMAT_VERSION, CorruptSnapshot
+from .writer import L2Writer
 
 log = logging.getLogger("dflash.cache")
 MAX_KNOWN_ENDS = 1024  # off-grid prompt lengths remembered as lookup candidates
-MAX_GONE = 4096  # keys the cache process reported evicted, remembered for lookups under way
 
 
 class SnapshotLike(Protocol):
@@ -150,27 +139,10 @@ class PrefixCache:
         # Counters, L1 and the entries' in_l2 / pending / evicted flags change on the engine and
         # writer threads and are read on the socket thread: all of them only under this lock,
         # so one stats() is one consistent set (lookups == misses + hits, L1 bytes of its entries).
+        # The one lock: the marks and the writer below use it and have none of their own.
         self._lock = threading.Lock()
-        # The writer's work, in order: ("put", key, body, entry) and ("delete", key, None, None).
-        # Unbounded: puts are bounded by max_pending_writes (counted in _queued_puts), deletes are
-        # never refused (one per discard) so that a discard always follows the writes before it.
-        self._writes: queue.Queue[tuple[str, str, dict[str, Any] | None, L1Entry | None]] = queue.Queue()
-        self._max_pending_writes = max_pending_writes
-        self._queued_puts = 0
-        self._writer: threading.Thread | None = None
-        # Eviction reports from the cache process (one per answered write), for a lookup that
-        # brings an entry from L2 while a write evicts it there: key -> the report that said so
-        # (recent ones); a report at or below _gone_floor may have evicted any key.
-        self._reports = 0
-        self._l2_gone: OrderedDict[str, int] = OrderedDict()
-        self._gone_floor = 0
-        # keys whose discard's L2 delete is queued (-> how many): not asked of L2 until it ran
-        self._deleting: dict[str, int] = {}
-        # The id of the L2 store the in-L2 marks were made under (None: none seen yet, or unknown),
-        # and how many times it was taken up or dropped: a reply to a request sent before the
-        # last such change may come from either store (see _store_seen).
-        self._l2_store: str | None = None
-        self._store_epoch = 0
+        self._marks = L2Marks(self.l1, self._stats)  # the in-L2 marks: eviction reports, store ids
+        self._writer = L2Writer(l2, self._lock, self._stats, self._marks, max_pending_writes, l2_max_bytes)
 
     # --- the engine's interface ------------------------------------------------------------
     def boundaries(self, n_prompt: int) -> list[int]:
@@ -187,7 +159,7 @@ class PrefixCache:
             # Only a longer prefix is worth a round trip to the cache process; never one that
             # was discarded and is still to be deleted there.
             wanted = {keys[n]: n for n in lengths
-                      if (best is None or n > best[0]) and keys[n] not in self._deleting}
+                      if (best is None or n > best[0]) and keys[n] not in self._writer.deleting}
         found = self._lookup_l2(wanted)
         if found is not None:
             return found
@@ -215,7 +187,7 @@ class PrefixCache:
         key = self._keys(ids, [n])[0]
         entry = L1Entry(n, snap, snap.nbytes)
         if self.write_through:
-            self._write_l2(key, entry)
+            self._writer.write(key, entry)
         self._put_l1(key, entry)
 
     def discard(self, ids: Sequence[int]) -> None:
@@ -233,19 +205,15 @@ class PrefixCache:
             entry = self.l1.pop(key)
             if entry is not None:
                 entry.discarded = True
-            if self.l2 is not None:
-                self._deleting[key] = self._deleting.get(key, 0) + 1
-                self._start_writer()
-        if self.l2 is not None:
-            self._writes.put_nowait(("delete", key, None, None))
+            delete = self._writer.claim_delete(key)
+        if delete:
+            self._writer.send_delete(key)
 
     # --- housekeeping ----------------------------------------------------------------------
     def wait_writes(self, timeout: float | None = None) -> bool:
         """Wait (up to `timeout` s) until every queued L2 write (and discard's delete) was
         handled by the cache process (or failed)."""
-        q = self._writes
-        with q.all_tasks_done:
-            return q.all_tasks_done.wait_for(lambda: q.unfinished_tasks == 0, timeout)
+        return self._writer.wait(timeout)
 
     def flush(self) -> bool:
         """Wait until the cache process has handled every write queued so far (a round trip)."""
@@ -263,11 +231,11 @@ class PrefixCache:
         r = None
         if remote and self.l2 is not None:
             with self._lock:
-                epoch = self._store_epoch
+                epoch = self._marks.epoch
             r = self.l2.stats()
         with self._lock:  # one consistent set, copied: the counters go on changing after
             if r is not None:
-                self._store_seen(r.get("store"), epoch)
+                self._marks.store_seen(r.get("store"), epoch)
             out = asdict(self._stats)
             out["l1"].update(bytes=self.l1.bytes, entries=len(self.l1), evictions=self.l1.evictions)
         if r is not None:
@@ -299,14 +267,14 @@ class PrefixCache:
         if self.l2 is None or not keys:
             return None
         with self._lock:  # eviction reports after this may concern the entry this brings back
-            mark, epoch = self._reports, self._store_epoch
+            mark, epoch = self._marks.reports, self._marks.epoch
         while keys:
             got = self.l2.find(keys)
             if got is None:
                 return None
             if got.key is None:  # a miss still says which store answered
                 with self._lock:
-                    self._store_seen(got.store, epoch)
+                    self._marks.store_seen(got.store, epoch)
                 return None
             key, data = got.key, got.data
             try:
@@ -320,8 +288,8 @@ class PrefixCache:
                 log.warning("dropping corrupt L2 entry %s: %s", key, e)
                 with self._lock:
                     self._stats.corrupt_dropped += 1
-                    self._store_seen(got.store, epoch)
-                    epoch = self._store_epoch  # the next get is sent after this
+                    self._marks.store_seen(got.store, epoch)
+                    epoch = self._marks.epoch  # the next get is sent after this
                 self.l2.delete(key)
                 keys = keys[keys.index(key) + 1 :]
                 continue
@@ -335,200 +303,6 @@ class PrefixCache:
             return n, snap
         return None
 
-    def _write_l2(self, key: str, entry: L1Entry) -> None:
-        """Queue a write-behind of `entry`, unless L2 is absent, could never hold it, or writes
-        pile up (then dropped, counted: the entry stays not in L2 and is spilled on eviction).
-
-        `entry.in_l2` turns True only when the cache process acknowledged the write, so a write
-        that never landed (process down, queue full, refused) leaves the entry to be spilled
-        when L1 evicts it, instead of being lost from both tiers."""
-        with self._lock:
-            if not self._claim(entry):
-                return
-        self._send(key, entry)
-
-    def _claim(self, entry: L1Entry) -> bool:
-        """(Lock held.) True when the caller is to write `entry` now; it is then `pending`."""
-        if self.l2 is None or entry.in_l2 or entry.pending:
-            return False
-        if self.l2_max_bytes is not None and entry.nbytes > self.l2_max_bytes:
-            self._stats.l2_too_large += 1  # the cache process would refuse it: not encoded, not sent
-            return False
-        entry.pending = True
-        return True
-
-    def _send(self, key: str, entry: L1Entry) -> None:
-        """Hand a claimed entry's body to the writer thread (outside the lock: body() is MLX work)."""
-        try:
-            body = entry.value.body()
-        except Exception:  # an encoding bug must not break generation; L1 still serves
-            log.exception("could not encode snapshot %s", key)
-            with self._lock:
-                self._write_failed(key, entry)
-            return
-        with self._lock:
-            self._start_writer()
-            full = self._queued_puts >= self._max_pending_writes
-            if full:
-                self._write_failed(key, entry)
-            else:
-                self._queued_puts += 1
-        if not full:
-            self._writes.put_nowait(("put", key, body, entry))
-
-    def _start_writer(self) -> None:
-        """(Lock held.)"""
-        if self._writer is None:
-            self._writer = threading.Thread(target=self._write_loop, name="dflash-l2-writer", daemon=True)
-            self._writer.start()
-
-    def _write_failed(self, key: str, entry: L1Entry) -> None:
-        """(Lock held.) A write that did not land. An entry L1 still holds is spilled again when
-        evicted; one L1 evicted while this write was in flight is in neither tier now: counted
-        as lost and logged, never left looking stored (its in_l2 stays False)."""
-        entry.pending = False
-        self._stats.l2_dropped_writes += 1
-        if entry.evicted:
-            self._stats.l2_lost_writes += 1
-            log.warning("snapshot %s was evicted from L1 while its L2 write was in flight, and the "
-                        "write failed: it is in neither tier", key)
-
-    def _write_loop(self) -> None:
-        """The writer thread: the queued writes and deletes, handled by the cache process in
-        order; an entry counts as in L2 once the process acknowledged its write."""
-        while True:
-            op, key, body, entry = self._writes.get()
-            try:
-                if op == "delete":
-                    self._delete(key)
-                else:
-                    assert body is not None and entry is not None
-                    self._store(key, body, entry)
-            except Exception:  # never let the writer die: later writes still need it
-                log.exception("L2 %s of %s failed", op, key)
-            finally:
-                body = entry = None
-                self._writes.task_done()
-
-    def _delete(self, key: str) -> None:
-        """(Writer thread.) A discard's delete, behind every write queued before it."""
-        assert self.l2 is not None
-        try:
-            if not self.l2.delete(key):
-                log.warning("could not delete discarded snapshot %s from L2 (cache process not "
-                            "available): a lookup that finds it drops it again", key)
-        finally:
-            with self._lock:
-                left = self._deleting.pop(key) - 1
-                if left:
-                    self._deleting[key] = left
-
-    def _store(self, key: str, body: dict[str, Any], entry: L1Entry) -> None:
-        """(Writer thread.) Encode and write one snapshot, then record the outcome and what the
-        cache process evicted for it."""
-        with self._lock:
-            self._queued_puts -= 1
-            if entry.discarded:  # discarded while queued: never sent (its delete follows)
-                entry.pending = False
-                self._stats.l2_discarded_writes += 1
-                return
-            epoch = self._store_epoch  # before the request: see _store_seen
-        ok = too_large = False
-        evicted: list[str] | None = []
-        store: str | None = None
-        try:
-            data = fmt.encode(body, key)
-            del body
-            if self.l2_max_bytes is not None and len(data) > self.l2_max_bytes:
-                too_large = True
-            elif self.l2 is not None:
-                written = self.l2.write(key, data)
-                ok, evicted, store = written.stored, written.evicted, written.store
-        except Exception:
-            log.exception("could not write snapshot %s", key)
-        finally:
-            body = data = None
-            with self._lock:  # the outcome and the flags together: _spill sees one or the other
-                same_store = self._store_seen(store, epoch)  # first: it may clear every mark
-                self._evicted_from_l2(evicted)
-                if too_large:
-                    self._stats.l2_too_large += 1
-                    entry.pending = False
-                elif ok:
-                    entry.pending = False
-                    self._stats.l2_writes += 1
-                    if entry.discarded:  # landed after its discard: the queued delete removes it
-                        self._stats.l2_discarded_writes += 1
-                    else:  # unless it may have landed in a store that is gone by now
-                        entry.in_l2 = same_store
-                else:
-                    self._write_failed(key, entry)
-
-    def _evicted_from_l2(self, keys: list[str] | None) -> None:
-        """(Lock held.) The cache process evicted `keys` (None: maybe anything) to make room for
-        a write: L1 entries under them are in L2 no more, and L1 spills them when it evicts them.
-        Remembered for a lookup that is bringing one of them back from L2 right now."""
-        self._reports += 1
-        if keys is None:
-            self._stats.l2_unanswered_writes += 1
-            self._gone_floor = self._reports
-            held = [e for e in self.l1.values() if e.in_l2]
-        else:
-            held = [e for k in keys if (e := self.l1.peek(k)) is not None and e.in_l2]
-            for k in keys:
-                self._l2_gone[k] = self._reports
-                self._l2_gone.move_to_end(k)
-            while len(self._l2_gone) > MAX_GONE:
-                _, report = self._l2_gone.popitem(last=False)
-                self._gone_floor = max(self._gone_floor, report)
-        for e in held:
-            e.in_l2 = False
-            self._stats.l2_evicted_in_l1 += 1
-        if held:
-            log.info("L2 evicted %d snapshot(s) L1 holds: spilled again when L1 evicts them", len(held))
-
-    def _store_seen(self, store: Any, epoch: int) -> bool:
-        """(Lock held.) A reply names the L2 store that served it (`store`; None from a cache
-        process that names none: marks as before); `epoch` was _store_epoch when its request was
-        sent. True when an in-L2 mark made from this reply holds.
-
-        Another id than the marks' means the store is not the one they were made in (created
-        fresh, repaired, cleared): every mark goes (L1 spills those entries when it evicts them
-        instead of losing them). Ids are random, not ordered, so a reply is trusted to be the
-        newest store only when no other id was taken up while its request was out (a request
-        sent after a change is served by that store or a later one); otherwise it may be an
-        older store's late reply or a newer one's: no mark is made from it and, should it differ,
-        every mark goes and the next reply decides."""
-        if not isinstance(store, str) or not store or store == self._l2_store:
-            return True
-        if epoch != self._store_epoch:
-            if self._l2_store is not None:
-                self._marks_gone(self._l2_store, "not known yet")
-                self._l2_store = None
-                self._store_epoch += 1
-            return False
-        if self._l2_store is not None:
-            self._marks_gone(self._l2_store, store)
-        self._l2_store = store  # the first id seen (or the first after doubt): the marks are its
-        self._store_epoch += 1
-        return True
-
-    def _marks_gone(self, old: str, new: str) -> None:
-        """(Lock held.) The L2 store changed: no L1 entry is known to be in it any more."""
-        held = [e for e in self.l1.values() if e.in_l2]
-        for e in held:
-            e.in_l2 = False
-        self._stats.l2_store_changed += 1
-        self._stats.l2_evicted_in_l1 += len(held)
-        # a warning when it cost something (after a `cache clear`, which empties L1 first, none)
-        log.log(logging.WARNING if held else logging.INFO,
-                "L2 store changed (id %s, now %s): %d snapshot(s) L1 holds no longer count as in L2 "
-                "and are written there again when L1 evicts them", old, new, len(held))
-
-    def _gone_since(self, key: str, mark: int) -> bool:
-        """(Lock held.) Whether an eviction report after report `mark` may have named `key`."""
-        return self._gone_floor > mark or self._l2_gone.get(key, 0) > mark
-
     def _put_l1(self, key: str, entry: L1Entry, l2_mark: int | None = None,
                 l2_store: tuple[str | None, int] | None = None) -> None:
         """Put `entry` in L1 and spill what that evicts. `l2_mark`: the entry comes from L2 as
@@ -536,9 +310,9 @@ class PrefixCache:
         store id its get reply named, the epoch that get was sent at), checked in this same
         locked step, so a change seen meanwhile cannot leave it marked."""
         with self._lock:
-            if l2_store is not None and not self._store_seen(*l2_store):
+            if l2_store is not None and not self._marks.store_seen(*l2_store):
                 entry.in_l2 = False
-            if l2_mark is not None and self._gone_since(key, l2_mark):
+            if l2_mark is not None and self._marks.gone_since(key, l2_mark):
                 entry.in_l2 = False
             evicted = self.l1.put(key, entry)
         self._spill(evicted)
@@ -551,9 +325,9 @@ class PrefixCache:
         for key, entry in evicted:
             with self._lock:
                 entry.evicted = True
-                send = self._claim(entry)
+                send = self._writer.claim(entry)
             if send:
-                self._send(key, entry)
+                self._writer.send(key, entry)
 
 
 def _id_bytes(ids: Sequence[int]) -> bytes:

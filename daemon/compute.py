@@ -138,7 +138,7 @@ class Compute:
     def clear_cache(self) -> dict[str, Any]:
         """Drop every prefix snapshot, L1 then L2; position lists stay. Runs on this thread, so
         no lookup or insert is half done, and only after this cache's queued L2 writes have been
-        stored (each is acknowledged: cache/tiers.py), so none of them lands after the clear."""
+        stored (each is acknowledged: cache/writer.py), so none of them lands after the clear."""
         pc = self.prefix_cache
         l1 = {"entries": 0, "bytes": 0}
         if pc is not None:

@@ -224,20 +224,20 @@ def test_a_late_reply_from_an_older_store_marks_nothing(pairs):
     for i in (1, 2):
         pc.insert(_ids(i), snap)
     with pc._lock:
-        sent_before = pc._store_epoch
-        assert pc._store_seen("aaaa", sent_before)  # the first id seen: taken up silently
+        sent_before = pc._marks.epoch
+        assert pc._marks.store_seen("aaaa", sent_before)  # the first id seen: taken up silently
         for e in pc.l1.values():
             e.in_l2 = True
-        assert pc._store_seen("aaaa", sent_before)  # the same store, however late
-        assert pc._store_seen("bbbb", pc._store_epoch)  # sent after: the store changed
+        assert pc._marks.store_seen("aaaa", sent_before)  # the same store, however late
+        assert pc._marks.store_seen("bbbb", pc._marks.epoch)  # sent after: the store changed
         assert not any(e.in_l2 for e in pc.l1.values())
         for e in pc.l1.values():
             e.in_l2 = True  # made in bbbb
-        assert not pc._store_seen("aaaa", sent_before)  # late, or newer? not known: no mark
+        assert not pc._marks.store_seen("aaaa", sent_before)  # late, or newer? not known: no mark
         assert not any(e.in_l2 for e in pc.l1.values())
-        assert not pc._store_seen("bbbb", sent_before)
-        assert pc._store_seen("bbbb", pc._store_epoch)  # sent after the doubt: trusted
-        assert pc._store_seen(None, sent_before)  # no id: as before the ids
+        assert not pc._marks.store_seen("bbbb", sent_before)
+        assert pc._marks.store_seen("bbbb", pc._marks.epoch)  # sent after the doubt: trusted
+        assert pc._marks.store_seen(None, sent_before)  # no id: as before the ids
     assert pc.stats()["l2_store_changed"] == 2
 
 
