@@ -61,8 +61,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
-import platform
 import random
 import select
 import shutil
@@ -71,7 +69,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -81,9 +78,11 @@ from typing import Any
 import openai
 
 from dflash.client import DFlashClient
-from dflash.client.errors import DFlashError
-from dflash.daemon.config import DaemonConfig
-from dflash.daemon.supervisor import read_state
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (tests/helpers.load_script)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import soak  # noqa: E402  (the daemon soak: its Daemon, /proc sampling, verdict rule and machine facts)
+from soak import Daemon, proc_sample  # noqa: E402
 
 KEY = "sk-gateway-soak"
 # kind -> weight in the mix (a request is one of these)
@@ -100,19 +99,12 @@ PROMPTS = ["tell me about the sea", "why is the sky blue", "write a short poem a
            "what is the capital of France", "count from one to ten"]
 SHARED = "You are a careful assistant. " + "The tide comes in and goes out. " * 10  # prefix-cache hits
 STOPS = ["the", "e", ".", "\n", "sea"]
-# Metrics that grow by design, and why (the verdict names them instead of calling them leaks).
-BY_DESIGN = {
-    "worker.tables.store_results": "results are kept result_retention_s (here --retention-s) for status polls",
-    "worker.tables.store_rows": "the job store's rows are mostly those results",
-    "cache.entries": "L2 snapshots of new prompts, until a cache clear or the byte budget",
-    "cache.bytes": "L2 snapshot bytes, until a cache clear or the byte budget",
-    "l1.entries": "L1 fills up to l1_cache_entries (here --l1-entries)",
-    "l1.bytes": "L1 fills up to its budgets",
-    "worker.tables.mlx_active_bytes": "mostly L1's snapshots",
-    "worker.tables.mlx_cache_bytes": "MLX's cache of freed buffers, one per size seen; returned after 5 s idle",
-}
-# Growth per 100 requests below which a gauge is noise (counts: any steady rise is growth).
-THRESHOLDS = {"_kb": 1024, "bytes": 1 << 20, "py_blocks": 500}
+# Metrics that grow by design, and why (the verdict names them instead of calling them leaks):
+# scripts/soak.py's that a gateway soak samples.
+BY_DESIGN = {k: v for k, v in soak.BY_DESIGN.items()
+             if k in ("worker.tables.store_results", "worker.tables.store_rows", "cache.entries", "cache.bytes",
+                      "l1.entries", "l1.bytes", "worker.tables.mlx_active_bytes", "worker.tables.mlx_cache_bytes")}
+BY_DESIGN["worker.tables.mlx_active_bytes"] = "mostly L1's snapshots"
 # Gateway log lines that are answers working as designed, not findings.
 LOG_BENIGN = ("answered as HTTP",)  # a daemon message with a path redacted: the full one is logged
 
@@ -135,65 +127,6 @@ def check_busy(status: int, headers: dict[str, str], body: bytes) -> None:
 
 
 # ---------------------------------------------------------------------------- the processes
-class Daemon:
-    """A real supervisor (worker + cache process) in a private tmp dir; stopped as a group."""
-
-    def __init__(self, root: Path, model: str, draft: str | None, **settings: Any):
-        self.dir = root
-        self.cfg = DaemonConfig(model=model, draft=draft, runtime_dir=str(root / "run"),
-                                state_dir=str(root / "state"), **settings)
-        self.endpoint = self.cfg.resolved_endpoint()
-        self.log_path = root / "daemon.log"
-        self.log = open(self.log_path, "wb")
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, wait_s: float = 180.0) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "dflash.daemon.supervisor", "--config-json",
-                                      self.cfg.to_json()], stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        end = time.monotonic() + wait_s
-        with self.client(timeout=0.5, retry_interval=0.5) as c:
-            while time.monotonic() < end:
-                if self.proc.poll() is not None:
-                    raise SystemExit(f"the daemon exited early:\n{self.log_path.read_text(errors='replace')[-3000:]}")
-                try:
-                    if c.stats()["state"] == "ready":
-                        return
-                except DFlashError:
-                    pass
-                time.sleep(0.2)
-        raise SystemExit(f"the daemon was not ready in {wait_s:.0f}s")
-
-    def client(self, **kw: Any) -> DFlashClient:
-        return DFlashClient(self.endpoint, config=self.cfg, **kw)
-
-    def pids(self) -> dict[str, int]:
-        run = self.cfg.runtime_path()
-        out = {}
-        try:
-            out["supervisor"] = int((run / "supervisor.pid").read_text())
-        except (OSError, ValueError):
-            pass
-        for name, child in read_state(run).get("children", {}).items():
-            if isinstance(child, dict) and isinstance(child.get("pid"), int):
-                out[name] = child["pid"]
-        return out
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
-        if self.proc is not None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.log.close()
-
-
 class Gateway:
     """A real `dflash serve --attach` process on a free loopback port."""
 
@@ -447,26 +380,21 @@ FUZZ_VALUES: list[Any] = [None, True, False, 0, 1, 2, -1, 7.0, 0.5, -0.0, 1e308,
 
 
 # ---------------------------------------------------------------------------- the requests
-class Load:
+class Load(soak.MixLoad):
     """The request mix, run from several threads; counts outcomes per kind and what clients saw."""
 
     def __init__(self, g: Gateway, seed: int, max_tokens: int, long_tokens: int, vocab: int, eos: list[int],
                  kinds: list[str] | None = None, burst_size: int = 10):
+        super().__init__(MIX, seed, kinds)
         self.g = g
         self.burst_size = burst_size
         self.max_tokens = max_tokens
         self.long_tokens = long_tokens
         self.vocab = vocab
         self.ban_eos = {str(t): -100 for t in eos}  # a leaving client's job can only end by a cancel
-        self.rng = random.Random(seed)
-        self.lock = threading.Lock()
-        self.outcomes: Counter[str] = Counter()
-        self.errors: list[str] = []
         self.n_errors = 0
         self.finished_seen = 0  # answers whose finish a client saw (jobs_done must grow by this)
         self.left_jobs: list[tuple[str, str]] = []  # (kind, job id) of jobs whose client left
-        self.kinds = [k for k in MIX if kinds is None or k in kinds]
-        self.weights = [MIX[k] for k in self.kinds]
         self.model = "soak"
         self.picked = 0
 
@@ -935,55 +863,7 @@ class Load:
         raise Unexpected(f"a {self.long_tokens}-token answer came in under a second")
 
 
-def run_batch(load: Load, n: int, threads: int, clients: list[openai.OpenAI]) -> None:
-    """n requests from `threads` threads at once, each with an openai client of its own."""
-    left = [n]
-    guard = threading.Lock()
-
-    def body(c: openai.OpenAI) -> None:
-        while True:
-            with guard:
-                if left[0] <= 0:
-                    return
-                left[0] -= 1
-            kind, rng = load.pick()
-            load.run(kind, rng, c)
-
-    ts = [threading.Thread(target=body, args=(clients[i],), name=f"gwsoak-{i}") for i in range(threads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-
-
 # ---------------------------------------------------------------------------- sampling
-def proc_sample(pid: int) -> dict[str, Any]:
-    """RSS (and its anonymous / file part), open descriptors by kind and threads, from /proc."""
-    out: dict[str, Any] = {"pid": pid}
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key == "VmRSS":
-                out["rss_kb"] = int(value.split()[0])
-            elif key in ("RssAnon", "RssFile"):
-                out[key.lower().replace("rss", "rss_") + "_kb"] = int(value.split()[0])
-            elif key == "Threads":
-                out["threads"] = int(value)
-        kinds: Counter[str] = Counter()
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            kind = target.split(":")[0] if target.startswith(("socket:", "pipe:", "anon_inode:")) else "file"
-            kinds[kind.replace("anon_inode", "anon")] += 1
-        out["fds"] = sum(kinds.values())
-        out["fd_kinds"] = dict(sorted(kinds.items()))
-    except OSError:
-        out["gone"] = True
-    return out
-
-
 def tcp_states(port: int) -> dict[str, int]:
     """The gateway port's TCP connections by state (/proc/net/tcp), listening socket excluded."""
     names = {"01": "established", "06": "time_wait", "08": "close_wait", "04": "fin_wait1", "05": "fin_wait2",
@@ -998,20 +878,6 @@ def tcp_states(port: int) -> dict[str, int]:
     except (OSError, IndexError, ValueError):
         pass
     return dict(sorted(out.items()))
-
-
-def wait_idle(c: DFlashClient, timeout: float) -> tuple[dict, bool]:
-    """The daemon's stats once nothing is queued, running or held and no watcher or waiter is
-    left; (the last stats read, False) when that does not happen in `timeout`."""
-    end = time.monotonic() + timeout
-    while True:
-        st = c.stats()
-        t = st.get("tables", {})
-        idle = st["queued"] == 0 and st["running"] is None and not st.get("held") and not t.get("watchers") \
-            and not t.get("waiting")
-        if idle or time.monotonic() > end:
-            return st, idle
-        time.sleep(0.2)
 
 
 class Sampler:
@@ -1073,9 +939,7 @@ class Sampler:
         return dict(self.log_counts)
 
     def sample(self, c: DFlashClient, done: int, t0: float) -> dict[str, Any]:
-        st, idle = wait_idle(c, self.idle_timeout)
-        time.sleep(max(2 * self.d.cfg.heartbeat_s, 0.5))  # late cleanups (a gone client) land
-        st = c.stats()
+        st, idle = soak.quiet_stats(self.d, c, self.idle_timeout, settle_s=0.5)
         jobs = c.jobs()
         if not idle or jobs or st.get("held"):
             row = {"requests": done, "idle": idle, "running": st.get("running"), "queued": st.get("queued"),
@@ -1093,13 +957,10 @@ class Sampler:
         if fives > self.fives:
             self.load.unexpected(f"after {done} requests: the gateway's /metrics counts {fives} 5xx answers")
             self.fives = fives
-        procs = {"gateway": proc_sample(self.g.proc.pid),
-                 **{name: proc_sample(pid) for name, pid in self.d.pids().items()}}
-        remote = (st.get("cache") or {}).get("l2_process") or {}
+        procs = {name: proc_sample(pid, shmem=False, thread_names=False)
+                 for name, pid in {"gateway": self.g.proc.pid, **self.d.pids()}.items()}
         return {
-            "requests": done,
-            "elapsed_s": round(time.monotonic() - t0, 1),
-            "procs": procs,
+            **soak.sample_head(done, t0, procs),
             "gateway_tcp": tcp_states(self.g.port),
             "gateway_metrics": gm,
             "gateway_log": self._scan_log(),
@@ -1110,83 +971,30 @@ class Sampler:
             "jobs_listed": len(jobs),
             "jobs_done_unseen": unseen,
             "left_jobs": self._audit_left_jobs(c),
-            "l1": {k: (st.get("cache") or {}).get("l1", {}).get(k) for k in ("entries", "bytes")},
-            "cache": {k: remote.get(k) for k in ("entries", "bytes")},
+            **soak.caches(st, l2_keys=("entries", "bytes")),
         }
 
 
 def flat(s: dict[str, Any]) -> dict[str, float]:
     """The sample's gauges as {dotted.name: value}, the verdict's metrics."""
-    out: dict[str, float] = {}
-    for name, p in s["procs"].items():
-        for k in ("rss_kb", "rss_anon_kb", "rss_file_kb", "fds", "threads"):
-            if k in p:
-                out[f"{name}.{k}"] = p[k]
-        for k, v in p.get("fd_kinds", {}).items():
-            out[f"{name}.fd.{k}"] = v
+    out = soak.flat_procs(s, fd_kinds=True)
     # open connections (TIME_WAIT ones are closed: the kernel keeps them 60 s whatever the gateway does)
     out["gateway.tcp_open"] = sum(v for k, v in s["gateway_tcp"].items() if k != "time_wait")
-    out.update({f"worker.tables.{k}": v for k, v in s["tables"].items()})
-    out.update({f"cache.{k}": v for k, v in s["cache"].items() if isinstance(v, (int, float))})
-    out.update({f"l1.{k}": v for k, v in s["l1"].items() if isinstance(v, (int, float))})
+    out.update(soak.flat_daemon(s))
     out["daemon.jobs_listed"] = s["jobs_listed"]
     out["daemon.held"] = s["daemon"].get("held") or 0
     return out
 
 
-def slope(xs: list[float], ys: list[float]) -> float:
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    var = sum((x - mx) ** 2 for x in xs)
-    return 0.0 if var == 0 else sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
-
-
 def verdict(series: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
-    """Growth per 100 requests of every gauge over the samples after the warm-up, by
-    scripts/soak.py's rule: a metric grows when its least-squares slope is positive (for memory
-    over THRESHOLDS: 1 MiB per 100 requests), its last value is above the highest of the first
+    """Growth per 100 requests of every gauge (of any sample) over the samples after the warm-up,
+    by scripts/soak.py's rule: a metric grows when its least-squares slope is positive (for memory
+    over its THRESHOLDS: 1 MiB per 100 requests), its last value is above the highest of the first
     half of the window, and it rose at least twice; a one-time step is not growth."""
-    after = [s for s in series if s["requests"] >= warmup]
-    if len(after) < 4:
-        return {"note": "fewer than 4 samples after the warm-up: no verdict"}
-    xs = [s["requests"] / 100 for s in after]
-    rows = [flat(s) for s in after]
-    names = sorted({k for r in rows for k in r})
-    out: dict[str, Any] = {"warmup_requests": warmup, "samples": len(after), "metrics": {}}
-    grows, expected = [], []
-    for name in names:
-        ys = [r.get(name, 0) for r in rows]
-        per100 = slope(xs, ys)
-        early = max(ys[: len(ys) // 2])
-        rises = sum(b > a for a, b in zip(ys, ys[1:]))
-        limit = next((v for k, v in THRESHOLDS.items() if name.endswith(k)), 0)
-        grew = per100 > limit and ys[-1] > early and rises >= 2
-        out["metrics"][name] = {"per_100_requests": round(per100, 3), "first": ys[0], "last": ys[-1],
-                                "max": max(ys), "grows": grew}
-        if grew:
-            (expected if name in BY_DESIGN else grows).append(name)
-    out["grows"] = grows
-    out["grows_by_design"] = {n: BY_DESIGN[n] for n in expected}
-    out["leak_free"] = not grows
-    return out
+    return soak.verdict(series, warmup, flatten=flat, by_design=BY_DESIGN, every_metric=True)
 
 
 # ---------------------------------------------------------------------------- running it
-def machine() -> dict[str, Any]:
-    import aiohttp
-    import mlx.core as mx
-
-    cpu = ""
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"host": platform.node(), "platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(),
-            "python": platform.python_version(), "mlx": mx.__version__, "device": str(mx.default_device()),
-            "aiohttp": aiohttp.__version__, "openai": openai.__version__}
-
-
 def model_facts(model: str) -> tuple[int, list[int]]:
     """The target's vocabulary size and end-of-text token ids (config.json)."""
     try:
@@ -1200,13 +1008,7 @@ def model_facts(model: str) -> tuple[int, list[int]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="target (default: a tiny random qwen3 pair built in the tmp dir)")
-    ap.add_argument("--draft", help="draft (default: the registry's for --model, the tiny one otherwise)")
-    ap.add_argument("--requests", type=int, default=600)
-    ap.add_argument("--every", type=int, default=50, help="requests between samples")
-    ap.add_argument("--warmup", type=int, default=None,
-                    help="requests before the verdict's window (default: a third of them, at least 2 samples)")
-    ap.add_argument("--threads", type=int, default=3, help="client threads at once")
+    soak.add_run_args(ap, requests=600, every=50, tiny_in="the tmp dir")
     ap.add_argument("--max-tokens", type=int, default=16, help="max_tokens of the answers that run to the end")
     ap.add_argument("--long-tokens", type=int, default=4000,
                     help="max_tokens of the requests whose clients leave (their jobs must be cancelled)")
@@ -1221,24 +1023,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle-timeout", type=float, default=60.0,
                     help="seconds a sample waits for the daemon to go idle before calling it orphaned work")
     ap.add_argument("--kinds", default=None, help=f"comma-separated subset of the mix: {', '.join(MIX)}")
-    ap.add_argument("--out", default=None, help="JSON file for the series and the verdict")
-    ap.add_argument("--log", default=None, help="a directory to keep the daemon's and the gateway's logs in")
-    args = ap.parse_args(argv)
-    if not sys.platform.startswith("linux"):
-        raise SystemExit("gateway_soak.py reads /proc: Linux only")
-    kinds = args.kinds.split(",") if args.kinds else None
-    if kinds and (unknown := set(kinds) - set(MIX)):
-        raise SystemExit(f"unknown kinds: {', '.join(sorted(unknown))}")
+    args = soak.parse_run_args(ap, argv, "gateway_soak.py",
+                               log_help="a directory to keep the daemon's and the gateway's logs in")
+    kinds = soak.parse_kinds(args.kinds, MIX)
     root = Path(tempfile.mkdtemp(prefix="dfgws", dir="/tmp"))  # short: ipc paths are capped; 0700
     model, draft = args.model, args.draft
     if model is None:
-        from dflash.engine.tiny import build_draft, build_target
-
-        build_target(root / "tiny", "qwen3")
-        build_draft(root / "tiny" / "draft", root / "tiny")
-        model, draft = str(root / "tiny"), str(root / "tiny" / "draft")
+        model, draft = soak.tiny_pair(root / "tiny")
     vocab, eos = model_facts(model)
-    d = Daemon(root, model, draft, blas=args.blas, result_retention_s=args.retention_s, heartbeat_s=0.3,
+    d = Daemon(model, draft, root, blas=args.blas, result_retention_s=args.retention_s, heartbeat_s=0.3,
                l1_cache_entries=args.l1_entries, max_queue=args.max_queue)
     g: Gateway | None = None
     series: list[dict[str, Any]] = []
@@ -1258,7 +1051,7 @@ def main(argv: list[str] | None = None) -> int:
             done = 0
             while done < args.requests:
                 n = min(args.every, args.requests - done)
-                run_batch(load, n, args.threads, clients)
+                soak.run_batch(load, n, args.threads, clients, name="gwsoak")
                 done += n
                 s = sampler.sample(c, done, t0)
                 series.append(s)
@@ -1293,17 +1086,15 @@ def main(argv: list[str] | None = None) -> int:
     if gateway_exit != 0:
         load.unexpected(f"the gateway's exit status on SIGTERM was {gateway_exit}")
     errors_in_log = sum(v for k, v in sampler.log_counts.items() if k not in ("benign", "WARNING"))
-    warmup = args.warmup if args.warmup is not None else max(2 * args.every, args.requests // 3)
+    warmup = soak.warmup_requests(args)
+    import aiohttp
+
     report = {
-        "machine": machine(),
+        "machine": soak.machine(aiohttp=aiohttp.__version__, openai=openai.__version__),
         "command": " ".join(["python", "scripts/gateway_soak.py", *(sys.argv[1:] if argv is None else argv)]),
-        "settings": {"model": args.model or "tiny random qwen3 pair (engine/tiny.py)", "draft": args.draft,
-                     "requests": args.requests, "every": args.every, "threads": args.threads,
-                     "max_tokens": args.max_tokens, "long_tokens": args.long_tokens,
-                     "max_body_bytes": args.max_body_bytes, "seed": args.seed, "blas": args.blas,
-                     "result_retention_s": args.retention_s, "l1_cache_entries": args.l1_entries,
-                     "max_queue": args.max_queue, "burst": args.burst,
-                     "mix": {k: MIX[k] for k in load.kinds}},
+        "settings": soak.run_settings(args, MIX, load.kinds, long_tokens=args.long_tokens,
+                                      max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
+                                      burst=args.burst),
         "outcomes": dict(sorted(load.outcomes.items())),
         "unexpected_errors": load.errors,
         "unexpected_count": load.n_errors,
@@ -1321,20 +1112,12 @@ def main(argv: list[str] | None = None) -> int:
         "series": series,
         "verdict": verdict(series, warmup),
     }
-    v = report["verdict"]
-    if "note" in v:
-        print(f"verdict: {v['note']}")
-    else:
-        print(f"verdict: {'no leak' if v['leak_free'] else 'GROWS: ' + ', '.join(v['grows'])}"
-              f"{'; by design: ' + ', '.join(v['grows_by_design']) if v.get('grows_by_design') else ''}")
+    soak.print_verdict(report["verdict"])
     print(f"unexpected: {load.n_errors}; orphans: {len(sampler.orphans)}; gateway log errors: {errors_in_log}; "
           f"left jobs: {dict(sampler.left_outcomes)}")
     for e in load.errors[:10]:
         print(f"  {e}")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-        print(f"wrote {args.out}")
+    soak.write_report(report, args.out)
     return 0
 
 

@@ -47,7 +47,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 import zmq
@@ -89,14 +89,19 @@ THRESHOLDS = {"_kb": 1024, "bytes": 1 << 20, "py_blocks": 500}
 
 # ---------------------------------------------------------------------------- the daemon
 class Daemon:
-    """A real supervisor (worker + cache process) in a private tmp dir; stopped as a group."""
+    """A real supervisor (worker + cache process) in a private tmp dir; stopped as a group.
+    `root`: the dir to run it in, which stop() leaves to the caller (scripts/gateway_soak.py keeps
+    its gateway's log there too); by default a fresh one, removed by stop()."""
 
-    def __init__(self, model: str, draft: str | None, **settings: Any):
-        self.dir = Path(tempfile.mkdtemp(prefix="dfsoak", dir="/tmp"))  # short: ipc paths are capped
+    def __init__(self, model: str, draft: str | None, root: Path | None = None, **settings: Any):
+        self.own_dir = root is None
+        # short: ipc paths are capped
+        self.dir = Path(tempfile.mkdtemp(prefix="dfsoak", dir="/tmp")) if root is None else root
         self.cfg = DaemonConfig(model=model, draft=draft, runtime_dir=str(self.dir / "run"),
                                 state_dir=str(self.dir / "state"), **settings)
         self.endpoint = self.cfg.resolved_endpoint()
-        self.log = open(self.dir / "daemon.log", "wb")
+        self.log_path = self.dir / "daemon.log"
+        self.log = open(self.log_path, "wb")
         self.proc: subprocess.Popen | None = None
 
     def start(self, wait_s: float = 180.0) -> None:
@@ -134,7 +139,7 @@ class Daemon:
 
     def logs(self) -> str:
         self.log.flush()
-        return (self.dir / "daemon.log").read_text(errors="replace")
+        return self.log_path.read_text(errors="replace")
 
     def stop(self, keep_log: Path | None = None) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -150,25 +155,34 @@ class Daemon:
                 pass
         self.log.close()
         if keep_log is not None:
-            shutil.copy(self.dir / "daemon.log", keep_log)
-        shutil.rmtree(self.dir, ignore_errors=True)
+            shutil.copy(self.log_path, keep_log)
+        if self.own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------- the requests
-class Load:
+class MixLoad:
+    """A seeded, weighted mix of request kinds (those of `mix` in `kinds`, by default all) and
+    what they came to: outcomes per kind, unexpected errors; `lock` guards the counts."""
+
+    def __init__(self, mix: dict[str, int], seed: int, kinds: list[str] | None = None):
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.outcomes: Counter[str] = Counter()
+        self.errors: list[str] = []
+        self.kinds = [k for k in mix if kinds is None or k in kinds]
+        self.weights = [mix[k] for k in self.kinds]
+
+
+class Load(MixLoad):
     """The request mix, run from several threads; counts outcomes per kind."""
 
     def __init__(self, d: Daemon, seed: int, max_tokens: int, kinds: list[str] | None = None):
+        super().__init__(MIX, seed, kinds)
         self.d = d
         self.max_tokens = max_tokens
-        self.rng = random.Random(seed)
         self.rng_lock = threading.Lock()
-        self.outcomes: Counter[str] = Counter()
-        self.errors: list[str] = []
-        self.lock = threading.Lock()
         self.n = 0
-        self.kinds = [k for k in MIX if kinds is None or k in kinds]
-        self.weights = [MIX[k] for k in self.kinds]
 
     def pick(self) -> tuple[str, random.Random]:
         with self.rng_lock:
@@ -325,22 +339,29 @@ class Load:
         return "l2 up" if c.clear_cache(timeout=60).get("l2_up") else "l2 down"
 
 
-def run_batch(load: Load, n: int, threads: int) -> None:
-    """n requests from `threads` threads at once, each with a client of its own."""
+def run_batch(load: Any, n: int, threads: int, clients: list | None = None, name: str = "soak") -> None:
+    """n requests from `threads` threads at once, each with a client of its own: clients[i], or
+    (None) a daemon client each thread opens; `load` has pick() and run(kind, rng, client)."""
     left = [n]
     guard = threading.Lock()
 
-    def body() -> None:
-        with load.d.client(timeout=60) as c:
-            while True:
-                with guard:
-                    if left[0] <= 0:
-                        return
-                    left[0] -= 1
-                kind, rng = load.pick()
-                load.run(kind, rng, c)
+    def drain(c: Any) -> None:
+        while True:
+            with guard:
+                if left[0] <= 0:
+                    return
+                left[0] -= 1
+            kind, rng = load.pick()
+            load.run(kind, rng, c)
 
-    ts = [threading.Thread(target=body, name=f"soak-{i}") for i in range(threads)]
+    def body(i: int) -> None:
+        if clients is not None:
+            drain(clients[i])
+            return
+        with load.d.client(timeout=60) as c:
+            drain(c)
+
+    ts = [threading.Thread(target=body, args=(i,), name=f"{name}-{i}") for i in range(threads)]
     for t in ts:
         t.start()
     for t in ts:
@@ -348,15 +369,17 @@ def run_batch(load: Load, n: int, threads: int) -> None:
 
 
 # ---------------------------------------------------------------------------- sampling
-def proc_sample(pid: int) -> dict[str, Any]:
-    """RSS, open descriptors (by kind) and threads of one process, from /proc."""
+def proc_sample(pid: int, shmem: bool = True, thread_names: bool = True) -> dict[str, Any]:
+    """RSS (and its anonymous / file / with `shmem` shared part), open descriptors (by kind) and
+    threads of one process (with `thread_names`, counted by name), from /proc."""
+    rss_parts = ("RssAnon", "RssFile", "RssShmem") if shmem else ("RssAnon", "RssFile")
     out: dict[str, Any] = {"pid": pid}
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             key, _, value = line.partition(":")
             if key == "VmRSS":
                 out["rss_kb"] = int(value.split()[0])
-            elif key in ("RssAnon", "RssFile", "RssShmem"):
+            elif key in rss_parts:
                 out[key.lower().replace("rss", "rss_") + "_kb"] = int(value.split()[0])
             elif key == "Threads":
                 out["threads"] = int(value)
@@ -369,14 +392,15 @@ def proc_sample(pid: int) -> dict[str, Any]:
             kind = target.split(":")[0] if target.startswith(("socket:", "pipe:", "anon_inode:")) else "file"
             kinds[kind.replace("anon_inode", "anon")] += 1
         out["fds"] = sum(kinds.values())
-        out["fd_kinds"] = dict(kinds)
-        names: Counter[str] = Counter()
-        for task in os.listdir(f"/proc/{pid}/task"):
-            try:
-                names[Path(f"/proc/{pid}/task/{task}/comm").read_text().strip()] += 1
-            except OSError:
-                continue
-        out["thread_names"] = dict(sorted(names.items()))
+        out["fd_kinds"] = dict(sorted(kinds.items()))
+        if thread_names:
+            names: Counter[str] = Counter()
+            for task in os.listdir(f"/proc/{pid}/task"):
+                try:
+                    names[Path(f"/proc/{pid}/task/{task}/comm").read_text().strip()] += 1
+                except OSError:
+                    continue
+            out["thread_names"] = dict(sorted(names.items()))
     except OSError:
         out["gone"] = True
     return out
@@ -422,9 +446,10 @@ def count_files(root: Path) -> int:
     return sum(len(files) for _, _, files in os.walk(root))
 
 
-def wait_idle(c: DFlashClient, timeout: float = 120.0) -> dict:
-    """The worker's stats once nothing is queued, running or held and no waiter is left (a gone
-    client is noticed at the next heartbeat); the last stats read when that does not happen."""
+def wait_idle(c: DFlashClient, timeout: float = 120.0) -> tuple[dict, bool]:
+    """(The worker's stats, True) once nothing is queued, running or held and no watcher or waiter
+    is left (a gone client is noticed at the next heartbeat); (the last stats read, False) when
+    that does not happen in `timeout`."""
     end = time.monotonic() + timeout
     while True:
         st = c.stats()
@@ -432,35 +457,51 @@ def wait_idle(c: DFlashClient, timeout: float = 120.0) -> dict:
         idle = st["queued"] == 0 and st["running"] is None and not st.get("held") and not t.get("watchers") \
             and not t.get("waiting")
         if idle or time.monotonic() > end:
-            return st
+            return st, idle
         time.sleep(0.2)
+
+
+def quiet_stats(d: Daemon, c: DFlashClient, timeout: float = 120.0, settle_s: float = 0.0) -> tuple[dict, bool]:
+    """The worker's stats a heartbeat or two (at least `settle_s`) after it went idle, and whether
+    it did within `timeout` (wait_idle)."""
+    _, idle = wait_idle(c, timeout)
+    time.sleep(max(2 * d.cfg.heartbeat_s, settle_s))  # a heartbeat or two: late cleanups (a gone client) land
+    return c.stats(), idle
+
+
+def caches(st: dict[str, Any], l2_keys: tuple[str, ...] = ("entries", "bytes", "position_lists")) -> dict[str, Any]:
+    """A sample's `l1` (the worker's L1) and `cache` (the cache process's L2: `l2_keys`) from stats."""
+    remote = (st.get("cache") or {}).get("l2_process") or {}
+    return {"l1": {k: (st.get("cache") or {}).get("l1", {}).get(k) for k in ("entries", "bytes")},
+            "cache": {k: remote.get(k) for k in l2_keys}}
+
+
+def sample_head(done: int, t0: float, procs: dict[str, dict]) -> dict[str, Any]:
+    """What every sample starts with: requests so far (the verdict's x), seconds since t0, the
+    processes' samples."""
+    return {"requests": done, "elapsed_s": round(time.monotonic() - t0, 1), "procs": procs}
 
 
 def sample(d: Daemon, c: DFlashClient, done: int, t0: float, with_smaps: bool = False,
            settle_s: float = 0.0) -> dict[str, Any]:
-    st = wait_idle(c)
-    time.sleep(max(2 * d.cfg.heartbeat_s, settle_s))  # a heartbeat or two: late cleanups (a gone client) land
-    st = c.stats()
+    st, _ = quiet_stats(d, c, settle_s=settle_s)
     procs = {name: proc_sample(pid) for name, pid in d.pids().items()}
     if with_smaps:
         for name, p in procs.items():
             p["smaps"] = smaps(p["pid"])
-    remote = (st.get("cache") or {}).get("l2_process") or {}
     return {
-        "requests": done,
-        "elapsed_s": round(time.monotonic() - t0, 1),
-        "procs": procs,
+        **sample_head(done, t0, procs),
         "tables": st.get("tables", {}),
         "worker": {k: st.get(k) for k in ("queued", "running", "held", "jobs_done", "jobs_failed", "jobs_cancelled",
                                           "frames", "bad_frames", "dropped_replies", "clients_gone", "restarts")},
-        "l1": {k: (st.get("cache") or {}).get("l1", {}).get(k) for k in ("entries", "bytes")},
-        "cache": {k: remote.get(k) for k in ("entries", "bytes", "position_lists")},
+        **caches(st),
         "files": {"state": count_files(d.cfg.state_path()), "runtime": count_files(d.cfg.runtime_path())},
     }
 
 
-def flat(s: dict[str, Any]) -> dict[str, float]:
-    """The sample's numbers as {dotted.name: value}, the verdict's metrics."""
+def flat_procs(s: dict[str, Any], fd_kinds: bool = False) -> dict[str, float]:
+    """The sample's per-process gauges as {process.name: value}: RSS (and its parts), descriptors,
+    threads, the smaps kinds when sampled, and with `fd_kinds` the descriptors of each kind."""
     out: dict[str, float] = {}
     for name, p in s["procs"].items():
         for k in ("rss_kb", "rss_anon_kb", "rss_file_kb", "rss_shmem_kb", "fds", "threads"):
@@ -468,9 +509,23 @@ def flat(s: dict[str, Any]) -> dict[str, float]:
                 out[f"{name}.{k}"] = p[k]
         out.update({f"{name}.smaps.{k}" + ("" if k == "anon_maps" else "_rss_kb"): v
                     for k, v in p.get("smaps", {}).items()})
-    out.update({f"worker.tables.{k}": v for k, v in s["tables"].items()})
+        if fd_kinds:
+            out.update({f"{name}.fd.{k}": v for k, v in p.get("fd_kinds", {}).items()})
+    return out
+
+
+def flat_daemon(s: dict[str, Any]) -> dict[str, float]:
+    """The sample's worker tables, cache process and L1 numbers as {dotted.name: value}."""
+    out: dict[str, float] = {f"worker.tables.{k}": v for k, v in s["tables"].items()}
     out.update({f"cache.{k}": v for k, v in s["cache"].items() if isinstance(v, (int, float))})
     out.update({f"l1.{k}": v for k, v in s["l1"].items() if isinstance(v, (int, float))})
+    return out
+
+
+def flat(s: dict[str, Any]) -> dict[str, float]:
+    """The sample's numbers as {dotted.name: value}, the verdict's metrics."""
+    out = flat_procs(s)
+    out.update(flat_daemon(s))
     out.update({f"files.{k}": v for k, v in s["files"].items()})
     if "mlx_active_bytes" in s["tables"] and isinstance(s["l1"].get("bytes"), int):
         out["worker.mlx_beyond_l1_bytes"] = s["tables"]["mlx_active_bytes"] - s["l1"]["bytes"]
@@ -484,20 +539,25 @@ def slope(xs: list[float], ys: list[float]) -> float:
     return 0.0 if var == 0 else sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
 
 
-def verdict(series: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+def verdict(series: list[dict[str, Any]], warmup: int, flatten: Callable[[dict], dict[str, float]] = flat,
+            by_design: dict[str, str] = BY_DESIGN, every_metric: bool = False) -> dict[str, Any]:
     """Growth per 100 requests of every metric over the samples after the warm-up. A metric
     grows when it keeps climbing: a positive least-squares slope (for gauges over THRESHOLDS:
     RSS and bytes 1 MiB per 100 requests, Python blocks 500), its last value above the highest of the first half
     of the window, and at least two rises. A one-time step (a lazily started thread: pyzmq's
-    zero-copy sender in the cache process at its first large reply) is not growth."""
+    zero-copy sender in the cache process at its first large reply) is not growth.
+    `flatten`: a sample's metrics ({dotted.name: value}); `by_design`: the metrics whose growth is
+    named, not called a leak; `every_metric`: the metrics of every sample, sorted (by default
+    those of the first sample past the warm-up, in its order)."""
     after = [s for s in series if s["requests"] >= warmup]
     if len(after) < 4:
         return {"note": "fewer than 4 samples after the warm-up: no verdict"}
     xs = [s["requests"] / 100 for s in after]
-    rows = [flat(s) for s in after]
+    rows = [flatten(s) for s in after]
+    names = sorted({k for r in rows for k in r}) if every_metric else list(rows[0])
     out: dict[str, Any] = {"warmup_requests": warmup, "samples": len(after), "metrics": {}}
     grows, expected = [], []
-    for name in rows[0]:
+    for name in names:
         ys = [r.get(name, 0) for r in rows]
         per100 = slope(xs, ys)
         early = max(ys[: len(ys) // 2])
@@ -507,14 +567,15 @@ def verdict(series: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         out["metrics"][name] = {"per_100_requests": round(per100, 3), "first": ys[0], "last": ys[-1],
                                 "max": max(ys), "grows": grew}
         if grew:
-            (expected if name in BY_DESIGN else grows).append(name)
+            (expected if name in by_design else grows).append(name)
     out["grows"] = grows
-    out["grows_by_design"] = {n: BY_DESIGN[n] for n in expected}
+    out["grows_by_design"] = {n: by_design[n] for n in expected}
     out["leak_free"] = not grows
     return out
 
 
-def machine() -> dict[str, Any]:
+def machine(**extra: str) -> dict[str, Any]:
+    """The host, its CPU, Python's and MLX's versions, and `extra` (other packages' versions)."""
     import mlx.core as mx
 
     cpu = ""
@@ -524,7 +585,8 @@ def machine() -> dict[str, Any]:
     except (OSError, StopIteration):
         pass
     return {"host": platform.node(), "platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(),
-            "python": platform.python_version(), "mlx": mx.__version__, "device": str(mx.default_device())}
+            "python": platform.python_version(), "mlx": mx.__version__, "device": str(mx.default_device()),
+            **extra}
 
 
 def tiny_pair(root: Path) -> tuple[str, str]:
@@ -535,15 +597,72 @@ def tiny_pair(root: Path) -> tuple[str, str]:
     return str(root), str(root / "draft")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="target (default: a tiny random qwen3 pair built in a tmp dir)")
+# ---------------------------------------------------------------------------- the run (both soaks)
+def add_run_args(ap: argparse.ArgumentParser, requests: int, every: int, tiny_in: str = "a tmp dir") -> None:
+    """--model, --draft, --requests, --every, --warmup and --threads, as both soaks take them."""
+    ap.add_argument("--model", help=f"target (default: a tiny random qwen3 pair built in {tiny_in})")
     ap.add_argument("--draft", help="draft (default: the registry's for --model, the tiny one otherwise)")
-    ap.add_argument("--requests", type=int, default=300)
-    ap.add_argument("--every", type=int, default=25, help="requests between samples")
+    ap.add_argument("--requests", type=int, default=requests)
+    ap.add_argument("--every", type=int, default=every, help="requests between samples")
     ap.add_argument("--warmup", type=int, default=None,
                     help="requests before the verdict's window (default: a third of them, at least 2 samples)")
     ap.add_argument("--threads", type=int, default=3, help="client threads at once")
+
+
+def parse_run_args(ap: argparse.ArgumentParser, argv: list[str] | None, script: str,
+                   log_help: str) -> argparse.Namespace:
+    """--out and --log added last, the command line parsed; Linux only (/proc)."""
+    ap.add_argument("--out", default=None, help="JSON file for the series and the verdict")
+    ap.add_argument("--log", default=None, help=log_help)
+    args = ap.parse_args(argv)
+    if not sys.platform.startswith("linux"):
+        raise SystemExit(f"{script} reads /proc: Linux only")
+    return args
+
+
+def parse_kinds(text: str | None, mix: dict[str, int]) -> list[str] | None:
+    """--kinds as a list (None: the whole mix); an unknown kind ends the run."""
+    kinds = text.split(",") if text else None
+    if kinds and (unknown := set(kinds) - set(mix)):
+        raise SystemExit(f"unknown kinds: {', '.join(sorted(unknown))}")
+    return kinds
+
+
+def warmup_requests(args: argparse.Namespace) -> int:
+    """--warmup, by default a third of the requests and at least two samples: the first few hundred
+    requests fill L1, MLX's and SQLite's caches, so growth there is warm-up."""
+    return args.warmup if args.warmup is not None else max(2 * args.every, args.requests // 3)
+
+
+def run_settings(args: argparse.Namespace, mix: dict[str, int], kinds: list[str], **extra: Any) -> dict[str, Any]:
+    """The JSON's settings: the run's and the daemon's that both soaks take, `extra` (a script's
+    own), and the mix as run (`kinds` of `mix`)."""
+    return {"model": args.model or "tiny random qwen3 pair (engine/tiny.py)", "draft": args.draft,
+            "requests": args.requests, "every": args.every, "threads": args.threads,
+            "max_tokens": args.max_tokens, "seed": args.seed, "blas": args.blas,
+            "result_retention_s": args.retention_s, "l1_cache_entries": args.l1_entries,
+            **extra, "mix": {k: mix[k] for k in kinds}}
+
+
+def print_verdict(v: dict[str, Any]) -> None:
+    if "note" in v:
+        print(f"verdict: {v['note']}")
+    else:
+        print(f"verdict: {'no leak' if v['leak_free'] else 'GROWS: ' + ', '.join(v['grows'])}"
+              f"{'; by design: ' + ', '.join(v['grows_by_design']) if v.get('grows_by_design') else ''}")
+
+
+def write_report(report: dict[str, Any], out: str | None) -> None:
+    """The JSON to --out (its dir made), when given."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_args(ap, requests=300, every=25)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--blas", default="none", help="the daemon's blas setting (auto: MKL when installed)")
@@ -555,11 +674,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also record each process's RSS by kind of mapping (/proc/PID/smaps: heap, anon, files)")
     ap.add_argument("--settle-s", type=float, default=0.0,
                     help="wait this long once idle before each sample (past IDLE_RELEASE_S: idle housekeeping has run)")
-    ap.add_argument("--out", default=None, help="JSON file for the series and the verdict")
-    ap.add_argument("--log", default=None, help="keep the daemon's log here")
-    args = ap.parse_args(argv)
-    if not sys.platform.startswith("linux"):
-        raise SystemExit("soak.py reads /proc: Linux only")
+    args = parse_run_args(ap, argv, "soak.py", log_help="keep the daemon's log here")
     tmp = None
     model, draft = args.model, args.draft
     if model is None:
@@ -568,9 +683,7 @@ def main(argv: list[str] | None = None) -> int:
     d = Daemon(model, draft, blas=args.blas, result_retention_s=args.retention_s, heartbeat_s=0.3,
                l1_cache_entries=args.l1_entries)
     series: list[dict[str, Any]] = []
-    kinds = args.kinds.split(",") if args.kinds else None
-    if kinds and (unknown := set(kinds) - set(MIX)):
-        raise SystemExit(f"unknown kinds: {', '.join(sorted(unknown))}")
+    kinds = parse_kinds(args.kinds, MIX)
     load = Load(d, args.seed, args.max_tokens, kinds)
     t0 = time.monotonic()
     try:
@@ -601,33 +714,20 @@ def main(argv: list[str] | None = None) -> int:
         d.stop(keep_log=Path(args.log) if args.log else None)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    # the first few hundred requests fill L1, MLX's and SQLite's caches: growth there is warm-up
-    warmup = args.warmup if args.warmup is not None else max(2 * args.every, args.requests // 3)
+    warmup = warmup_requests(args)
     report = {
         "machine": machine(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "settings": {"model": args.model or "tiny random qwen3 pair (engine/tiny.py)", "draft": args.draft,
-                     "requests": args.requests, "every": args.every, "threads": args.threads,
-                     "max_tokens": args.max_tokens, "seed": args.seed, "blas": args.blas,
-                     "result_retention_s": args.retention_s, "l1_cache_entries": args.l1_entries,
-                     "mix": {k: MIX[k] for k in load.kinds}},
+        "settings": run_settings(args, MIX, load.kinds),
         "outcomes": dict(sorted(load.outcomes.items())),
         "unexpected_errors": load.errors,
         "series": series,
         "verdict": verdict(series, warmup),
     }
-    v = report["verdict"]
-    if "note" in v:
-        print(f"verdict: {v['note']}")
-    else:
-        print(f"verdict: {'no leak' if v['leak_free'] else 'GROWS: ' + ', '.join(v['grows'])}"
-              f"{'; by design: ' + ', '.join(v['grows_by_design']) if v.get('grows_by_design') else ''}")
+    print_verdict(report["verdict"])
     if load.errors:
         print(f"{len(load.errors)} unexpected client errors, first: {load.errors[0]}")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-        print(f"wrote {args.out}")
+    write_report(report, args.out)
     return 0
 
 
