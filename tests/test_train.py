@@ -522,6 +522,39 @@ def test_batch_generate_equals_greedy_per_prompt(tiny: Path):
     assert isinstance(user_turn_head(tok), str)
 
 
+def test_generation_batches_cut_to_the_kv_budget(tiny: Path, tmp_path: Path):
+    """A batch whose KV cache would not fit the budget is cut into smaller ones (the session-34
+    H100 OOM at 2,048 rows): the same responses as one uncut batch, and one log line says so."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from dflash.engine.training.data import (generate_responses, kv_bytes_per_token,
+                                             rows_that_fit)
+
+    model, tok = load(str(tiny))
+    per_token = kv_bytes_per_token(model)
+    cache = make_prompt_cache(model)  # the estimate is what a real cache holds per token
+    model(mx.array([[1, 2, 3, 4]]), cache=cache)
+    held = sum(c.keys[..., :4, :].nbytes + c.values[..., :4, :].nbytes for c in cache)
+    assert per_token > 0 and held == 4 * per_token
+    assert rows_that_fit(10, 6, per_token, 0, 64) == 64          # no budget known: no cut
+    assert rows_that_fit(10, 6, per_token, 3 * 16 * per_token, 64) == 3
+    assert rows_that_fit(10, 6, per_token, 1, 64) == 1            # never below one row
+
+    prompts = [("chat", f"Question number {i}: {'why ' * (i % 4)}?") for i in range(9)]
+    splits = ["train"] * len(prompts)
+    whole, cut, lines = tmp_path / "whole.jsonl", tmp_path / "cut.jsonl", []
+    a = generate_responses(model, tok, prompts, splits, whole, max_new_tokens=8, batch_size=64,
+                           log=lambda s: None, kv_budget=0)
+    width = max(len(s.prompt_ids) for s in a)
+    b = generate_responses(model, tok, prompts, splits, cut, max_new_tokens=8, batch_size=64,
+                           log=lines.append, kv_budget=2 * (width + 8) * per_token)
+    assert {(s.prompt, tuple(s.response_ids)) for s in a} == {(s.prompt, tuple(s.response_ids)) for s in b}
+    batches = [line for line in lines if line.startswith("[data] responses")]
+    assert len(batches) >= 3, lines                               # 9 rows, 2-4 a batch
+    assert sum("batches cut to" in line for line in lines) == 1, lines
+
+
 @pytest.mark.skipif(os.environ.get("DFLASH_TEST_DIST") != "1",
                     reason="2 processes over MLX's ring backend (~20 s): DFLASH_TEST_DIST=1")
 def test_two_ranks_over_mlx_launch(looping: Path, tmp_path: Path):

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 import numpy as np
 
 Log = Callable[[str], None]
@@ -239,6 +240,36 @@ def drop_torn_tail(path: Path) -> None:
 
 
 # --- batched generation ------------------------------------------------------------------------
+def kv_bytes_per_token(model: Any) -> int:
+    """Bytes one token of one row adds to a batch's KV cache (0 when the config does not say)."""
+    args = getattr(model, "args", None)
+    heads = getattr(args, "num_attention_heads", 0) or 0
+    kv_heads = getattr(args, "num_key_value_heads", None) or heads
+    head_dim = getattr(args, "head_dim", None) or (
+        getattr(args, "hidden_size", 0) // heads if heads else 0)
+    itemsize = next((v.dtype.size for _, v in tree_flatten(model.parameters())
+                     if mx.issubdtype(v.dtype, mx.floating)), 2)
+    return 2 * len(getattr(model, "layers", [])) * kv_heads * head_dim * itemsize
+
+
+def kv_budget_bytes(share: float = 0.5) -> int:
+    """Device memory a generation batch's KV cache may take: `share` of the GPU's memory less
+    what is already in use (the model), 0 (no cap) where MLX reports no size (the CPU)."""
+    info = mx.device_info()
+    total = int(info.get("total_memory") or info.get("memory_size") or 0)
+    if not total:
+        return 0
+    return max(int(share * total) - mx.get_active_memory(), 0)
+
+
+def rows_that_fit(width: int, max_new_tokens: int, per_token: int, budget: int, want: int) -> int:
+    """How many of `want` rows of a `width`-token batch fit `budget` bytes of KV cache (>= 1;
+    all of them when either number is unknown)."""
+    if budget <= 0 or per_token <= 0:
+        return want
+    return max(1, min(want, budget // ((width + max_new_tokens) * per_token)))
+
+
 def _fast_batch_ok(model: Any) -> bool:
     """Our batched loop needs plain attention KV caches (left padding lives in BatchKVCache)."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
@@ -275,6 +306,8 @@ def batch_generate(
     pad = [width - len(p) for p in prompts]
     toks = mx.array([[0] * n + list(p) for n, p in zip(pad, prompts)], mx.int32)
     cache = [BatchKVCache(pad) for _ in range(len(model.layers))]
+    for c in cache:  # one allocation of the whole length: growing by 256-slot steps left every
+        c.step = width + max_new_tokens  # outgrown buffer in MLX's cache (2x the KV: H100 OOM, s34)
 
     def pick(logits: mx.array) -> mx.array:
         logits = logits[:, -1].astype(mx.float32)
@@ -380,6 +413,7 @@ def generate_responses(
     sampled_share: float = 0.0,
     temperature: float = 0.7,
     seed: int = 0,
+    kv_budget: int | None = None,
 ) -> list[Sample]:
     """Target responses for every prompt, appended to out_file (resumes where it stopped).
 
@@ -387,6 +421,7 @@ def generate_responses(
     a draft trained on greedy text only is weaker on the text a sampling user gets. Prompts are
     sorted by length within each kind of response so a batch pads little; the stop token, when
     reached, is kept as the last response token so the draft learns to predict the end too.
+    Batches are cut to `kv_budget` bytes of KV cache (default: kv_budget_bytes()).
     """
     done = load_samples(out_file)
     have = {(s.kind, s.prompt) for s in done}
@@ -401,6 +436,10 @@ def generate_responses(
     if not fast and sampled_share > 0:
         raise ValueError("sampled responses need a target with plain attention caches")
     t0, n_tok = time.perf_counter(), 0
+    # a batch's rows share one padded width, so the longest prompt sets its KV size: cut batches
+    # to what the GPU holds (session 34: 2,048 rows x 768 slots ran an 80 GB H100 out of memory)
+    per_token, capped = kv_bytes_per_token(model), False
+    budget = kv_budget_bytes() if kv_budget is None else kv_budget
     out_file.parent.mkdir(parents=True, exist_ok=True)
     drop_torn_tail(out_file)
     with out_file.open("a") as f:
@@ -410,6 +449,17 @@ def generate_responses(
             stop = start + 1
             while stop < min(start + batch_size, len(todo)) and todo[stop][0] == sampled:
                 stop += 1
+            # sorted by length within a kind, so the last row is the widest
+            want = stop - start
+            fit = rows_that_fit(len(todo[stop - 1][4]), max_new_tokens, per_token, budget,
+                                stop - start)
+            while stop - start > fit:
+                stop = start + fit
+                fit = rows_that_fit(len(todo[stop - 1][4]), max_new_tokens, per_token, budget, fit)
+            if stop - start < want and not capped:
+                capped = True
+                log(f"[data] batches cut to {stop - start} rows to fit the GPU's memory "
+                    f"({budget / 2**30:.1f} GiB for the KV cache)")
             chunk = todo[start:stop]
             ids = [t[4] for t in chunk]
             temp = temperature if sampled else 0.0
@@ -425,6 +475,7 @@ def generate_responses(
                 n_tok += len(resp)
                 f.write(json.dumps(asdict(s)) + "\n")
             f.flush()
+            mx.clear_cache()  # the next batch's width differs: hand this one's KV back first
             dt = time.perf_counter() - t0
             log(f"[data] responses {stop}/{len(todo)} | {n_tok} tokens, "
                 f"{n_tok / max(dt, 1e-9):.0f} tok/s" + (f" (sampled at {temp:g})" if sampled else ""))
