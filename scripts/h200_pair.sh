@@ -91,7 +91,10 @@ case "$1" in
   wait)
     end=$((SECONDS + $2))
     while [ $SECONDS -lt $end ] && ! grep -q TRAIN_DONE "$LOG"; do sleep 10; done
-    grep -E "^\[(data|eval|train)\]" "$LOG" | tail -25; grep -q TRAIN_DONE "$LOG" && echo "finished" ;;
+    grep -E "^\[(data|eval|train)\]" "$LOG" | tail -25
+    if grep -q TRAIN_DONE "$LOG"; then  # a crash ends with TRAIN_DONE too: say which it was
+      if grep -q '^Traceback' "$LOG"; then echo "FAILED:"; grep -v '^ ' "$LOG" | tail -n 4; else echo "finished"; fi
+    fi ;;
   pack)  # pack [RUN]: RUN = a run folder (default the campaign's; e.g. /tmp/arm1 after `ab`)
     # 8 files come back at most: the weight parts, reports.tar (logs, held-out reports and the
     # checkpoint's config.json, model.safetensors.index.json, trainer.json, draft_vocab.json under checkpoint/),

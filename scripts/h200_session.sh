@@ -64,6 +64,21 @@ train_done() {  # the campaign's run, or both arms of an A/B
   if [ -n "$AB" ]; then grep -q TRAIN_DONE /tmp/arm0.log 2>/dev/null && grep -q TRAIN_DONE /tmp/arm1.log 2>/dev/null
   else done_bg; fi
 }
+# a background job that stopped on an error (session 34: the data phase ran an H100 out of
+# memory, wrote TRAIN_DONE, and the next call went on to the train phase, which regenerated the
+# same data and failed the same way): stop here, and rerun the phase that failed only once
+# .devq/env has changed (say, a smaller --gen-batch-size in TRAIN_FLAGS)
+if [ -z "$AB" ] && done_bg && grep -q '^Traceback' "$LOG"; then
+  sig=$(md5sum .devq/env 2>/dev/null | cut -c1-8)
+  if [ ! -f /tmp/failed_sig ]; then cp "$LOG" "/tmp/failed_$(date +%s).log"; echo "$sig" > /tmp/failed_sig; fi
+  if [ "$(cat /tmp/failed_sig)" = "$sig" ]; then
+    echo "== FAILED: the background job stopped on an error; change .devq/env and call again to rerun its phase"
+    grep -v '^ ' "$LOG" | tail -n 6; exit 3
+  fi
+  rm -f /tmp/failed_sig
+  if [ -f /tmp/ph_train ]; then rm -f /tmp/ph_train; else rm -f /tmp/ph_data; fi
+  echo TRAIN_DONE > "$LOG"; echo "== .devq/env changed: the phase that failed runs again"
+fi
 phase=wait
 if [ ! -f /tmp/ph_data ]; then phase=data
 elif done_bg && [ ! -f /tmp/ph_train ]; then phase=train
