@@ -24,6 +24,7 @@
 #                         keep them here in .campaign-data/ (ignored) and stage them next session
 #                         (mlx-cuda-prepare.sh .campaign-data/*): `data`/`start` unpack them first,
 #                         so the responses are not generated again (~8 min of two GPUs)
+#   ptxpack / ptxrestore - MLX-CUDA's compiled kernels into $OUT (xz) / back from a staged copy
 #   bench [FLAGS]       - dflash benchmark of target + draft into $OUT (FLAGS added, e.g. --chat)
 #   ttft                - prefix-cache TTFT (cold / L1 / L2) on a 4K-token prompt into $OUT
 #                         (needs EXTRA="pyzmq==27.3.0 diskcache==5.6.3" when staging)
@@ -139,6 +140,22 @@ case "$1" in
   packdata)  # XZ_THREADS: fewer while a training runs beside it (default all cores)
     (cd "$TRAIN" && tar cf - --exclude=.unpacked data) | xz -T"${XZ_THREADS:-0}" -6 | split -d -a 2 -b 15000000 - "$OUT/campaign-data.tar.xz."
     ls -la "$OUT" ;;
+  ptxrestore)  # the CUDA kernels an earlier session compiled (see ptxpack), staged as a file, once
+    f=/tmp/stage/files/mlx-ptx-cache.tar.xz
+    { [ -f "$f" ] && [ ! -f /tmp/.ptx_restored ]; } || exit 0
+    tar xJf "$f" -C "${TMPDIR:-/tmp}" && touch /tmp/.ptx_restored \
+      && echo "ptx cache: $(find "${TMPDIR:-/tmp}/mlx" -type f | wc -l) compiled kernels restored" ;;
+  ptxpack)  # MLX-CUDA compiles its kernels with NVRTC at first use and keeps them in
+    # $TMPDIR/mlx/<version>/ptx: a fresh machine compiles them all again (part of the ~100 s
+    # "compile" of every train phase). This brings them back (xz, <= 15 MB) for the next session
+    # to stage (ptxrestore); the version in the path keeps another MLX from reading them, and
+    # the H100 and the H200 are the same architecture (sm_90)
+    d=${TMPDIR:-/tmp}; [ -d "$d/mlx" ] || { echo "ptx cache: none"; exit 0; }
+    tar cf - -C "$d" mlx | xz -T0 -6 > /tmp/mlx-ptx-cache.tar.xz
+    size=$(stat -c %s /tmp/mlx-ptx-cache.tar.xz)
+    if [ "$size" -le 15000000 ]; then
+      cp /tmp/mlx-ptx-cache.tar.xz "$OUT/"; echo "ptx cache: $(find "$d/mlx" -type f | wc -l) kernels, $size bytes into \$OUT"
+    else echo "ptx cache: $size bytes, too big to bring back"; fi ;;
   bench)
     ns; model
     python3 -m dflash.engine.bench --model "$MODEL" --draft "$DRAFT" --contexts 128,1024 --max-tokens 256 \

@@ -24,6 +24,8 @@
 #   RESTART_LR=4e-4 a warm restart at the resume step ("" for none);  W=75  seconds to wait a call
 #   NGPU=2          GPUs (1 on nvidia-h200: give TRAIN_FLAGS="--seqs-per-batch 32" to keep the
 #                   2,048-block step);  TRAIN_FLAGS=...  more train-draft flags for the train phase
+#   GEN_BATCH=2048  rows a generation batch (data phase and train phase alike; batches are
+#                   also cut to half the GPU's memory, engine/training/data.py)
 #   PACKDATA=1      bring the data cache back (0: the cache did not change, DATA=0)
 #   ARM_B="FLAGS"   an A/B train phase instead: two arms from the staged draft at once, arm 0 with
 #                   ARM_A's extra train-draft flags (default none), arm 1 with ARM_B's, BUDGET each
@@ -47,13 +49,14 @@ if ! source "$N" > /tmp/act.log 2>&1; then
 fi
 [ -f .devq/env ] && . .devq/env
 export MLX_CUDA_USE_CUDNN_SDPA=0 PYTHONUNBUFFERED=1 NGPU=${NGPU:-2}
+bash scripts/h200_pair.sh ptxrestore  # kernels compiled by an earlier session, when staged
 # DATA is this script's switch; train_smollm2_h200.sh reads DATA as the data cache's folder, so it
 # must not reach it (session 9: DATA=0 made the trainer look for its cache in ./0 and stop)
 DATA_PHASE=${DATA:-1}; unset DATA
 LOG=/tmp/train_stdout.log
 # sessions 3-5's prompts, not trained on: a file no rank appends to (data-s10/s11; with one GPU the
 # cache's derived_prompts.jsonl is the shard new prompts go to, and train-draft refuses it)
-FLAGS="--gen-batch-size 2048 --num-prompts 0 --exclude-prompts /tmp/train_out/data/derived_prompts.s3-5.jsonl --sampled-responses 0.5"
+FLAGS="--gen-batch-size ${GEN_BATCH:-2048} --num-prompts 0 --exclude-prompts /tmp/train_out/data/derived_prompts.s3-5.jsonl --sampled-responses 0.5"
 RESTART=${RESTART_LR-4e-4}
 # the train phase's flags, for the campaign's run and for both arms of an A/B alike
 TRAIN_ARGS=(--miss-anchor-frac 0.5 --early-anchor-frac 0.3 ${RESTART:+--restart-lr $RESTART} $FLAGS ${TRAIN_FLAGS:-})
@@ -139,6 +142,7 @@ case $phase in
   final)
     touch /tmp/ph_final
     [ -f .devq/final.sh ] && timeout "${FINAL_S:-500}" bash .devq/final.sh 2>&1 | tail -n 60
+    bash scripts/h200_pair.sh ptxpack  # this machine's compiled kernels, for the next session
     echo ALL_DONE; exit 0 ;;
   done) echo ALL_DONE; exit 0 ;;
 esac
