@@ -32,6 +32,7 @@ from .client import (
     opt_seconds,
     reply_error,
     seconds,
+    sendable,
     setup_curve,
     unavailable,
     waited_too_long,
@@ -100,6 +101,7 @@ class AsyncDFlashClient:
         it come, wait as long as they do instead."""
         msg.rid = next(self._rids)
         frame = codec.encode(msg)
+        sendable(frame, self._cfg)
         end = time.monotonic() + (self.timeout if timeout is None else timeout)
         beating = False
         while True:

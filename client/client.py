@@ -213,6 +213,16 @@ def client_config(endpoint: str | None, config: DaemonConfig | str | None) -> tu
     return endpoint or os.environ.get("DFLASH_ENDPOINT") or cfg.resolved_endpoint(), cfg
 
 
+def sendable(frame: bytes, cfg: DaemonConfig) -> None:
+    """BadRequestError(too_large) for a frame the worker's socket would drop unanswered (over
+    codec.DROP_FACTOR x max_frame_bytes): said at once, not as "no worker answered" after the
+    whole timeout spent re-sending it."""
+    try:
+        codec.check_sendable(frame, cfg.max_frame_bytes)
+    except P.ProtocolError as e:
+        raise E.BadRequestError(e.code, e.message) from None
+
+
 def seconds(v: Any, name: str, zero_ok: bool = False) -> float:
     """A time limit as float: a finite number > 0 (>= 0 with `zero_ok`). Checked up front: a
     negative one made every call fail at once as "no worker answered", a str one much later."""
@@ -382,6 +392,7 @@ class DFlashClient:
         re-sending and wait as long as they do. (A submit's heartbeats follow its answer.)"""
         msg.rid = self._next_rid()
         frame = codec.encode(msg)
+        sendable(frame, self._cfg)
         end = time.monotonic() + (self.timeout if timeout is None else timeout)
         beating = False
         while True:

@@ -51,6 +51,7 @@ class Compute:
         self.pair: Any = None
         self.prefix_cache: Any = None  # dflash.cache.tiers.PrefixCache when cfg.cache
         self.vocab_size = 0
+        self.context_tokens = 0  # the target's context length once loaded (0: it declares none)
         # what earlier jobs' verify windows measured, greedy and sampled apart (engine/window.py)
         self.window_memory: dict[bool, Any] = {}
         self.window_key: str | None = None  # this pair's entry in <state_dir>/window_memory.json
@@ -108,6 +109,7 @@ class Compute:
             _check_window(self.cfg, pair)  # before self.pair: a pair that fails it runs no job
             self.pair = pair
             self.vocab_size = int(self.pair.target.vocab_size)
+            self.context_tokens = _context_tokens(getattr(self.pair.target, "args", None))
             log.info("loaded %s with draft %s", self.pair.model_path, self.pair.draft_path)
             self._recall_windows()
             if self.cfg.cache:
@@ -208,6 +210,12 @@ class Compute:
         except ValueError as e:  # about the prompt, in whichever field the request gave it
             field = next((f for f in ("token_ids", "messages", "text") if req.get(f) is not None), "text")
             return P.Error(code=P.BAD_REQUEST, message=str(e), job_id=job.job_id, param=field), "error"
+        except Exception as e:
+            refused = _template_refusal(e)
+            if refused is None:
+                raise
+            field = next((f for f in ("messages", "text") if req.get(f) is not None), "text")
+            return P.Error(code=P.BAD_REQUEST, message=refused, job_id=job.job_id, param=field), "error"
         positions = req.get("positions")
         sparse: dict[str, Any] = {}
         if positions is not None:
@@ -310,6 +318,11 @@ class Compute:
             raise ValueError("empty prompt")
         if len(ids) > self.cfg.max_prompt_tokens:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds max_prompt_tokens={self.cfg.max_prompt_tokens}")
+        # A prompt the model's context cannot hold ran anyway (a long prefill, then an answer from
+        # positions the model was never trained on, as a 200): refused, as OpenAI's API does.
+        if self.context_tokens and len(ids) >= self.context_tokens:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit the model's context of {self.context_tokens} "
+                             "tokens (none would be left for the answer): send a shorter prompt")
         return ids
 
     def memory(self) -> dict[str, int]:
@@ -332,6 +345,37 @@ class Compute:
             "vocab_size": self.vocab_size,
             "dtype": self.cfg.dtype,
         }
+
+
+def _context_tokens(args: Any) -> int:
+    """The target's context length from its config (max_position_embeddings, times a numeric
+    rope_scaling factor: YaRN / linear / dynamic extend it), 0 when it declares none. Errs long,
+    never short: llama3-style scaling's max_position_embeddings is already the extended one, and
+    multiplying it only makes the check more lenient."""
+    n = getattr(args, "max_position_embeddings", None)
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+        return 0
+    scaling = getattr(args, "rope_scaling", None)
+    factor = scaling.get("factor") if isinstance(scaling, dict) else None
+    if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1:
+        n = int(n * factor)
+    return n
+
+
+def _template_refusal(e: BaseException) -> str | None:
+    """The bad-request message for a chat template that refused the request's messages, else
+    None. Many models' templates check the conversation and call raise_exception (Gemma's and
+    Mistral's: "Conversation roles must alternate user/assistant/...", "System role not
+    supported"); that raised jinja2's TemplateError, which ended the job as job_failed, an HTTP
+    500 from the gateway, for a conversation the client got wrong. A syntax error in the model's
+    own template is not the request's fault and stays a failure."""
+    try:
+        from jinja2.exceptions import TemplateError, TemplateSyntaxError
+    except ImportError:  # transformers renders templates with jinja2; without it nothing was rendered
+        return None
+    if not isinstance(e, TemplateError) or isinstance(e, TemplateSyntaxError):
+        return None
+    return f"the model's chat template refused these messages: {e}"
 
 
 def _check_window(cfg: DaemonConfig, pair: Any) -> None:

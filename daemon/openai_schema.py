@@ -48,12 +48,11 @@ _COMMON = ({"model", "stream", "stream_options", "stop", "max_tokens"} | set(SAM
            | set(_UNAPPLIED) | _IGNORED | _EXTRA)
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"}
 _COMPLETION_FIELDS = _COMMON | {"prompt"}
-# Keyword arguments of apply_chat_template that a request must not override.
-_RESERVED_TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "chat_template",
-                           "return_dict", "return_tensors", "tools", "documents", "continue_final_message",
-                           "padding", "truncation", "max_length", "return_assistant_tokens_mask",
-                           "tokenizer_kwargs"}
-_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # fullmatch: "$" would let "name\n" through
+# Keyword arguments of apply_chat_template (and the template's helpers) that a request must not
+# override, and the form of a name: the daemon's own rule (protocol.template_args_problem), which
+# adds `self`, whose absence here let {"self": 1} through to a job that failed as a 500.
+_RESERVED_TEMPLATE_ARGS = P.RESERVED_TEMPLATE_ARGS
+_IDENT = P.TEMPLATE_ARG_NAME  # fullmatch: "$" would let "name\n" through
 MAX_STOP = 16  # the daemon's own cap
 MAX_DEPTH = P.MAX_NESTING  # JSON nesting the daemon accepts in a field (the body's own level is one more)
 

@@ -176,6 +176,35 @@ def verify_window_problem(value: Any) -> str | None:
     return f"verify_window must be 'auto', 'full' or a number of tokens >= 1 (1 = plain decoding), got {value!r}"
 
 
+# Chat template keyword arguments (a submit's template_args, the gateway's chat_template_kwargs)
+# become keyword arguments of the tokenizer's apply_chat_template and variables of the template.
+# Only plain names, and none that apply_chat_template (transformers' or mlx-lm's wrapper, whose
+# first parameter is `self`) takes itself or that the template's own helpers use: such a name
+# used to reach the worker, where the call failed ("got multiple values for argument 'self'" /
+# 'tokenize' ...) as job_failed (HTTP 500), or, over the wire, swapped the model's chat template
+# (chat_template) or made it return tensors or a truncated prompt. Checked at submit instead.
+TEMPLATE_ARG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # fullmatch: "$" would let "name\n" through
+RESERVED_TEMPLATE_ARGS = frozenset({
+    "self", "conversation", "messages", "tokenize", "add_generation_prompt", "chat_template", "return_dict",
+    "return_tensors", "tools", "documents", "continue_final_message", "padding", "truncation", "max_length",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
+    "raise_exception", "strftime_now"})  # the last two: the helpers transformers gives every template
+
+
+def template_args_problem(args: Any) -> str | None:
+    """Why a chat-template keyword map cannot be used (a key that is not a plain name, or one
+    apply_chat_template or the template's helpers own), else None (None or {}: none given)."""
+    if args is None:
+        return None
+    if not isinstance(args, dict):
+        return f"template_args must be a map of names to values, got {type(args).__name__}"
+    for k in args:
+        if not (isinstance(k, str) and TEMPLATE_ARG_NAME.fullmatch(k)) or k in RESERVED_TEMPLATE_ARGS:
+            return f"chat template keyword argument {k!r} cannot be set (a plain name that apply_chat_template " \
+                   "does not take itself)"
+    return None
+
+
 def check_job_id(job_id: Any) -> None:
     """Raise ProtocolError(BAD_REQUEST) unless job_id is 1-64 characters of [A-Za-z0-9_.-]."""
     if not (isinstance(job_id, str) and JOB_ID.fullmatch(job_id)):
@@ -200,6 +229,9 @@ def check_submit(sub: "Submit") -> None:
     problem = verify_window_problem(sub.verify_window)
     if problem is not None:
         raise ProtocolError(BAD_REQUEST, problem, param="verify_window")
+    problem = template_args_problem(sub.template_args)
+    if problem is not None:
+        raise ProtocolError(BAD_REQUEST, problem, param="template_args")
 
 
 def check_types(msg: Any) -> None:

@@ -106,7 +106,7 @@ class Worker:
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.SNDHWM, 100_000)
-        router.setsockopt(zmq.MAXMSGSIZE, 16 * self.cfg.max_frame_bytes)  # beyond: peer dropped
+        router.setsockopt(zmq.MAXMSGSIZE, codec.DROP_FACTOR * self.cfg.max_frame_bytes)  # beyond: peer dropped
         if self.cfg.curve_server_secret:
             public, secret = zmq.auth.load_certificate(self.cfg.curve_server_secret)
             router.curve_secretkey, router.curve_publickey, router.curve_server = secret, public, True
