@@ -94,6 +94,7 @@ is shorter) when that beats the model's draft at the same window; window 1 never
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 from collections import deque
@@ -124,6 +125,7 @@ from .lookup import CopyAcceptance
 CPU_VERIFY_COST = {1: 1.0, 2: 1.0, 3: 1.47, 4: 1.72, 5: 1.95, 6: 2.0, 8: 2.11, 12: 2.55, 16: 2.96}
 DEFAULT_COSTS = {"cpu": (CPU_VERIFY_COST, 0.2), "gpu": (0.035, 0.3)}
 WIDE_ENV = "DFLASH_WINDOW_WIDE"  # 1: the whole block or a plain step, measured; 0: the model's best k
+TRACE_ENV = "DFLASH_WINDOW_TRACE"  # a file: one JSON line per observed cycle (what the policy saw and chose)
 CONFIDENCE_ENV = "DFLASH_WINDOW_CONFIDENCE"  # 1: a drafted block's window re-chosen by its confidence
 COPY_OVERHEAD = 0.05  # o's prior: a copy cycle has no draft pass, only a host-side lookup
 SHORT_D_PRIOR = 0.5  # d_short's prior, a share of d: a cut block's draft pass is ~half the whole's
@@ -247,6 +249,10 @@ class VerifyWindow:
         self.o = COPY_OVERHEAD  # a copy cycle's overhead beyond its verify, in plain steps
         if memory is not None and self.fixed is None:
             self._recall(memory)
+        # the policy's own view, cycle by cycle, where a run's speed needs explaining (a daemon's
+        # job spending most cycles on plain steps where one process did not: session 34)
+        trace = os.environ.get(TRACE_ENV)
+        self._trace = open(trace, "a", buffering=1) if trace and self.fixed is None else None
 
     @property
     def p(self) -> float:
@@ -393,6 +399,7 @@ class VerifyWindow:
             self.copy.observe(window - 1, accepted)
             if self.fixed is None and seconds is not None and self.step_s:
                 self.o = 0.8 * self.o + 0.2 * self._overhead(seconds, window)
+            self._log(window, accepted, seconds, copied)
             return
         if window == 1:
             self._since_draft += 1
@@ -403,6 +410,7 @@ class VerifyWindow:
                 if after_plain:
                     self._plain_total += seconds
                     self._plain_count += 1
+            self._log(window, accepted, seconds, copied)
             return
         self._since_draft = 0
         self._since_step += 1
@@ -425,6 +433,16 @@ class VerifyWindow:
             self._probe_gap = min(self._probe_gap * 2, self.max_probe_gap)
         else:  # it pays, or every verified draft was taken: look again soon
             self._probe_gap = self.probe_every
+        self._log(window, accepted, seconds, copied)
+
+    def _log(self, window: int, accepted: int, seconds: float | None, copied: bool) -> None:
+        """One line of DFLASH_WINDOW_TRACE: this cycle and the estimates it left."""
+        if self._trace is None:
+            return
+        self._trace.write(json.dumps({
+            "cycle": self.cycles, "window": window, "accepted": accepted, "copied": copied,
+            "seconds": seconds, "step_s": self.step_s, "d": self.d, "d_short": self.d_short,
+            "o": self.o, "p": self.p, "best": list(self._best), "probe_gap": self._probe_gap}) + "\n")
 
 
 def _updated(old: float, new: float, measured: bool) -> float:

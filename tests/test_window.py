@@ -357,3 +357,28 @@ def test_the_drafts_confidence_chooses_a_drafted_blocks_window(monkeypatch) -> N
     monkeypatch.setenv("DFLASH_WINDOW_CONFIDENCE", "2")
     with pytest.raises(ValueError, match="DFLASH_WINDOW_CONFIDENCE must be 0 or 1"):
         VerifyWindow(16, "auto")
+
+
+def test_the_window_trace_has_one_line_per_cycle_of_a_real_run(pairs, tmp_path, monkeypatch) -> None:
+    """DFLASH_WINDOW_TRACE: the auto policy writes what it saw and chose, one JSON line per cycle
+    (plain, copy and draft cycles alike), for runs whose speed needs explaining; a fixed window
+    writes nothing (no policy runs)."""
+    import json
+
+    trace = tmp_path / "window.jsonl"
+    monkeypatch.setenv("DFLASH_WINDOW_TRACE", str(trace))
+    pair = pairs("qwen3")
+    ids = pair.tokenizer.encode("Once upon a time")
+    saved, pair.tokenizer.eos_token_ids = pair.tokenizer.eos_token_ids, set()  # run all 40 tokens
+    try:
+        auto, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, 40)
+        lines = [json.loads(line) for line in trace.read_text().splitlines()]
+        run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, 40, verify_window="full")
+    finally:
+        pair.tokenizer.eos_token_ids = saved
+    assert len(lines) == auto.stats.cycles > 0
+    assert [e["cycle"] for e in lines] == list(range(1, len(lines) + 1))
+    assert sum(e["window"] == 1 and not e["copied"] for e in lines) == auto.stats.plain_steps
+    assert sum(e["accepted"] for e in lines) == sum(i * n for i, n in enumerate(auto.stats.accept_histogram))
+    assert {"seconds", "step_s", "d", "d_short", "o", "p", "best", "probe_gap"} <= set(lines[0])
+    assert len(trace.read_text().splitlines()) == len(lines)  # the fixed window added nothing
