@@ -48,11 +48,6 @@ _COMMON = ({"model", "stream", "stream_options", "stop", "max_tokens"} | set(SAM
            | set(_UNAPPLIED) | _IGNORED | _EXTRA)
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"}
 _COMPLETION_FIELDS = _COMMON | {"prompt"}
-# Keyword arguments of apply_chat_template (and the template's helpers) that a request must not
-# override, and the form of a name: the daemon's own rule (protocol.template_args_problem), which
-# adds `self`, whose absence here let {"self": 1} through to a job that failed as a 500.
-_RESERVED_TEMPLATE_ARGS = P.RESERVED_TEMPLATE_ARGS
-_IDENT = P.TEMPLATE_ARG_NAME  # fullmatch: "$" would let "name\n" through
 MAX_STOP = 16  # the daemon's own cap
 MAX_DEPTH = P.MAX_NESTING  # JSON nesting the daemon accepts in a field (the body's own level is one more)
 
@@ -375,8 +370,8 @@ def _template_args(v: Any) -> dict | None:
         return None
     if not isinstance(v, dict):
         raise bad("'chat_template_kwargs' must be an object", "chat_template_kwargs", "invalid_type")
-    for k in v:
-        if not _IDENT.fullmatch(k) or k in _RESERVED_TEMPLATE_ARGS:
+    for k in v:  # the daemon's own rule (a gateway list of its own once let {"self": 1} through as a 500)
+        if not P.template_arg_allowed(k):
             raise bad(f"chat_template_kwargs: {k!r} cannot be set", "chat_template_kwargs")
     return dict(v) or None
 

@@ -199,10 +199,16 @@ def template_args_problem(args: Any) -> str | None:
     if not isinstance(args, dict):
         return f"template_args must be a map of names to values, got {type(args).__name__}"
     for k in args:
-        if not (isinstance(k, str) and TEMPLATE_ARG_NAME.fullmatch(k)) or k in RESERVED_TEMPLATE_ARGS:
+        if not template_arg_allowed(k):
             return f"chat template keyword argument {k!r} cannot be set (a plain name that apply_chat_template " \
                    "does not take itself)"
     return None
+
+
+def template_arg_allowed(name: Any) -> bool:
+    """A plain name that neither apply_chat_template nor the template's helpers own (the gateway's
+    chat_template_kwargs keys and a submit's template_args keys alike)."""
+    return isinstance(name, str) and bool(TEMPLATE_ARG_NAME.fullmatch(name)) and name not in RESERVED_TEMPLATE_ARGS
 
 
 def check_job_id(job_id: Any) -> None:

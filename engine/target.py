@@ -122,7 +122,7 @@ class TargetModel:
         self.branches = branches.configure()  # DFLASH_BRANCHES: draft rows per greedy verify
         self.branch_budget = branches.budget()  # the default rows' KV copies, in bytes (None: any)
         if self.branches > 1 and not branches.attention_takes_rows(
-                self.verify_attention, _weights_dtype(model), *_head_shape(self.args)):
+                self.verify_attention, weights_dtype(model), *head_shape(self.args)):
             if branches.explicit():  # the default falls back quietly (fp32 on a GPU, say)
                 warnings.warn(f"{branches.ENV}={self.branches}: this target's verify attention is "
                               "not ours here (a CUDA GPU needs the few-query kernel: bf16/fp16, "
@@ -211,14 +211,14 @@ def _embedding_shape(emb: nn.Module) -> tuple[int, int]:
     return tuple(emb.weight.shape)  # type: ignore[return-value]
 
 
-def _weights_dtype(model: nn.Module) -> mx.Dtype:
+def weights_dtype(model: nn.Module) -> mx.Dtype:
     """The floating dtype holding most of the target's weights (loading.main_dtype)."""
     from .loading import main_dtype  # loading imports this module
 
     return getattr(mx, main_dtype(model) or "float32")
 
 
-def _head_shape(args: Any) -> tuple[int | None, int | None, int | None]:
+def head_shape(args: Any) -> tuple[int | None, int | None, int | None]:
     """(query heads, KV heads, head dim) from a model's args; None where it does not say."""
     heads = getattr(args, "num_attention_heads", None)
     kv = getattr(args, "num_key_value_heads", None) or heads

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 import numpy as np
 
 Log = Callable[[str], None]
@@ -242,14 +241,12 @@ def drop_torn_tail(path: Path) -> None:
 # --- batched generation ------------------------------------------------------------------------
 def kv_bytes_per_token(model: Any) -> int:
     """Bytes one token of one row adds to a batch's KV cache (0 when the config does not say)."""
-    args = getattr(model, "args", None)
-    heads = getattr(args, "num_attention_heads", 0) or 0
-    kv_heads = getattr(args, "num_key_value_heads", None) or heads
-    head_dim = getattr(args, "head_dim", None) or (
-        getattr(args, "hidden_size", 0) // heads if heads else 0)
-    itemsize = next((v.dtype.size for _, v in tree_flatten(model.parameters())
-                     if mx.issubdtype(v.dtype, mx.floating)), 2)
-    return 2 * len(getattr(model, "layers", [])) * kv_heads * head_dim * itemsize
+    from ..target import head_shape, weights_dtype
+
+    _, kv_heads, head_dim = head_shape(getattr(model, "args", None))
+    if not kv_heads or not head_dim:
+        return 0
+    return 2 * len(getattr(model, "layers", [])) * kv_heads * head_dim * weights_dtype(model).size
 
 
 def kv_budget_bytes(share: float = 0.5) -> int:
