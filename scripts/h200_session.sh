@@ -22,6 +22,7 @@
 #   DATA=1          run the data phase (0: skip it; then DERIVE must be the cache's count)
 #   BUDGET=420      training seconds after the compile;  TOTAL_STEPS=...  the cosine's end
 #   RESTART_LR=4e-4 a warm restart at the resume step ("" for none);  W=75  seconds to wait a call
+#   CALL_S=585      the call returns by then (the device's limit is 600 s): W is cut to what is left
 #   NGPU=2          GPUs (1 on nvidia-h200: give TRAIN_FLAGS="--seqs-per-batch 32" to keep the
 #                   2,048-block step);  TRAIN_FLAGS=...  more train-draft flags for the train phase
 #   GEN_BATCH=2048  rows a generation batch (data phase and train phase alike; batches are
@@ -146,9 +147,12 @@ case $phase in
     echo ALL_DONE; exit 0 ;;
   done) echo ALL_DONE; exit 0 ;;
 esac
-if [ -n "$AB" ] && [ -f /tmp/ph_train ]; then bash scripts/h200_pair.sh abwait "${W:-75}" | tail -n 8
+# the wait ends inside the device's per-call limit whatever ran before it in this call (session
+# 35: job.sh's 145 s and W=480 came to 600 s, and the call was cut off at the limit)
+wait_s=$(( ${CALL_S:-585} - SECONDS )); [ "$wait_s" -gt "${W:-75}" ] && wait_s=${W:-75}; [ "$wait_s" -lt 0 ] && wait_s=0
+if [ -n "$AB" ] && [ -f /tmp/ph_train ]; then bash scripts/h200_pair.sh abwait "$wait_s" | tail -n 8
 else
-  bash scripts/h200_pair.sh wait "${W:-75}" | tail -n 6
+  bash scripts/h200_pair.sh wait "$wait_s" | tail -n 6
   [ -f /tmp/ph_train ] && bash scripts/h200_pair.sh snap
 fi
 exit 0  # still running is not a failure (the pump reads rc)
