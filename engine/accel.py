@@ -120,10 +120,10 @@ def plan(blas: str = "auto", prefix: str | Path | None = None, env: dict | None 
     }
 
 
-def threading_layer(lib: Path, env: dict) -> str:
-    """MKL's threading layer: the user's MKL_THREADING_LAYER when set; else INTEL (OpenMP over
-    every core) when the `mkl` package brought its OpenMP runtime (libiomp5, from
-    `intel-openmp`) beside it, else SEQUENTIAL (one core).
+def threading_layer(lib: Path, env: dict, vendor: str | None = None) -> str:
+    """MKL's threading layer: the user's MKL_THREADING_LAYER when set; else SEQUENTIAL (one
+    core) on AMD CPUs; else INTEL (OpenMP over every core) when the `mkl` package brought its
+    OpenMP runtime (libiomp5, from `intel-openmp`) beside it, else SEQUENTIAL.
 
     Measured in session 12 on the 2-core Xeon VM (SmolLM2-135M fp32, the bundled draft):
     mlx-lm's plain decoding 16.8 -> 18.7 tok/s (means of 3 interleaved pairs of 2 runs); in
@@ -131,10 +131,33 @@ def threading_layer(lib: Path, env: dict) -> str:
     100-129 ms and a draft pass 43-54 -> 28-42 ms (wide products gain most from a second core),
     so the chat speedup went from 1.30x / 1.31x / 1.30x to 1.46x / 1.53x / 1.44x (geometric means
     of three interleaved runs each).
+    On the 2-core AMD EPYC VMs (session 35) one thread is faster end to end. The chat benchmark
+    in one session: SEQUENTIAL 1.84x against INTEL 1.72x (the four questions short of near-certain
+    acceptance 1.34-1.57x against 1.17-1.42x, DFlash 28.3-32.7 tok/s against 24.7-29.3, mlx-lm
+    ~21 tok/s either way); in the daemon (6 jobs each, `--compare-plain`) plain decoding 19.9-20.8
+    -> 23.1-24.2 tok/s and DFlash 23.8-28.6 -> 25.2-30.3. Only wide products still gain from the
+    threads (the benchmark's 16-token verify 88-112 ms threaded against 114-121 ms; the
+    near-certain question 5.63x against 4.97x), while a CPU drafts mostly with narrow windows.
+    MKL runs its generic kernels there (libmkl_def), and a third of the worker's samples sat in
+    OpenMP's spin-wait (kmp_flag_64::wait) beside the worker's own threads.
     """
     if env.get("MKL_THREADING_LAYER"):
         return env["MKL_THREADING_LAYER"]
+    if (cpu_vendor() if vendor is None else vendor) == "AuthenticAMD":
+        return "SEQUENTIAL"
     return "INTEL" if any(lib.glob("libiomp5.so*")) else "SEQUENTIAL"
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor id from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"; "" if unknown)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def maybe_reexec(blas: str | None = None, module: str | None = None) -> None:

@@ -16,9 +16,14 @@ as a plain decode step (window 1: no draft, the target's next token only, never 
 which times a step; draft cycles are timed too, and d follows. When no window beats a plain
 step (rate < 1), "auto" keeps decoding plainly and drafts now and then to notice when the text
 turns predictable: after `probe_every` plain steps, a gap that doubles after every probe that
-does not pay (up to `max_probe_gap`) and resets when one does or has all its drafts accepted.
+does not pay (up to `max_probe_gap`, and with narrow windows up to what keeps a failed probe's
+cost within PROBE_SHARE of the stretch) and resets when one does or has all its drafts accepted.
 A probe verifies `probe_window` tokens (one draft): the draft pass still runs whole, but the LM
 head and the verify are at their cheapest, so a probe costs about one plain step more.
+A draft cycle right after plain steps is never timed (narrow windows): it also drains the plain
+step queued ahead and adds the whole plain stretch to the draft's context, so a probe drafts a
+second cycle, and that one measures the overhead (session 35: probes timed on their first cycle
+read d_short 0.5-0.7 where drafting costs ~0.2, and kept the daemon's jobs plain).
 The output never depends on any of this: only the speed does.
 
 Cut blocks (a draft whose config allows them, `short_max` >= 2; engine/drafters.py): a window k up to
@@ -95,6 +100,7 @@ is shorter) when that beats the model's draft at the same window; window 1 never
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 from collections import deque
@@ -159,6 +165,7 @@ PRIOR_WEIGHT = 2.5  # cycles' worth of a remembered acceptance (as much as the b
 PROBE_GAP = 128  # the longest run of plain steps between probes (narrow windows: a CPU's)
 WIDE_PROBE_GAP = 16  # the same with wide windows (a GPU's), where whole blocks pay most
 FULL_DECAY = 0.97  # the memory of tokens per whole-block cycle (wide windows): ~33 cycles
+PROBE_SHARE = 0.04  # narrow windows: failed probes cost at most this share of a plain stretch
 MIN_PLAIN_SAMPLES = 3  # pipelined plain steps a run needs before it estimates its speedup
 
 
@@ -233,6 +240,9 @@ class VerifyWindow:
         # speedup estimate: its mean, not the policy's median, as a whole plain run would pay
         self._plain_total, self._plain_count, self._last_plain = 0.0, 0, False
         self._draft_cycles = 0  # observed draft cycles; the first one's time is not used
+        # a probe came right after plain steps: its time holds the plain stretch's deferred work,
+        # so the next cycle drafts again and is timed (narrow windows; see _steady)
+        self._retime = False
         self._d_measured = False
         self.cycles = 0
         self._since_draft = 0  # cycles without the model's draft since its last one
@@ -260,11 +270,14 @@ class VerifyWindow:
 
     def _recall(self, m: WindowMemory) -> None:
         """Priors from earlier generations of this pair (see WindowMemory)."""
+        # remembered overheads are priors that this run's first steady measurement replaces
+        # (_steady): a machine's load moves between jobs, and a stored value that was too high
+        # once made every later job decode plainly (session 35)
         if m.d is not None:
-            self.d, self._d_measured = m.d, True  # measured: later cycles average with it
+            self.d = m.d
             self.d_short = m.d * SHORT_D_PRIOR
         if m.d_short is not None and self.short_max:
-            self.d_short, self._d_short_measured = m.d_short, True
+            self.d_short = m.d_short
         if m.o is not None:
             self.o = m.o
         if m.p is not None:
@@ -359,6 +372,8 @@ class VerifyWindow:
         if self.cycles >= 1 and (self.step_s is None or self._since_step >= self.remeasure_every):
             return 1, None  # time a plain step: early, then again as the context grows
         if best_rate < 1.0:
+            if self._retime:  # the probe's second cycle, the one that times a draft cycle
+                return min(k, self.probe_window), None
             if self._since_draft < self._probe_gap:
                 return 1, 1.0  # drafting does not pay at this acceptance: decode plainly for a while
             # a probe: the cheapest window testing the draft (wide: the whole block, which is
@@ -393,6 +408,7 @@ class VerifyWindow:
         (after_draft), so its time is a whole block's even for a window short_max would cut."""
         self.cycles += 1
         after_plain, self._last_plain = self._last_plain, window == 1 and not copied
+        retimed, self._retime = self._retime, False
         if copied:  # not a draft cycle: the model's estimates and the probe schedule stay
             self._since_draft += 1
             self._since_step += 1
@@ -415,6 +431,7 @@ class VerifyWindow:
         self._since_draft = 0
         self._since_step += 1
         self._draft_cycles += 1
+        self._retime = after_plain and not self.wide and self.fixed is None
         self.successes = self.successes * self.decay + accepted
         self.failures = self.failures * self.decay + (1 if accepted < window - 1 else 0)
         if window == self.block_size:
@@ -422,7 +439,7 @@ class VerifyWindow:
             self._full_sum = self._full_sum * self.full_decay + accepted + 1.0
             self._full_seen = True
         if (self.fixed is None and seconds is not None and self.step_s
-                and self._draft_cycles > 1):
+                and self._draft_cycles > 1 and self._steady(after_plain)):
             d = self._overhead(seconds, window)
             if window <= self.short_max and not whole_block:
                 self.d_short, self._d_short_measured = _updated(self.d_short, d, self._d_short_measured), True
@@ -430,10 +447,40 @@ class VerifyWindow:
                 self.d, self._d_measured = _updated(self.d, d, self._d_measured), True
         self._best = self.best()
         if accepted < window - 1 and self._best[1] < 1.0:  # drafting does not pay: probe less often
-            self._probe_gap = min(self._probe_gap * 2, self.max_probe_gap)
+            # (a probe's second cycle: the gap grew on its first; its measured cost may cap it)
+            self._probe_gap = min(self._probe_gap * (1 if retimed else 2), self._gap_cap())
         else:  # it pays, or every verified draft was taken: look again soon
             self._probe_gap = self.probe_every
         self._log(window, accepted, seconds, copied)
+
+    def _gap_cap(self) -> int:
+        """The longest plain stretch between probes: max_probe_gap, and with narrow windows no
+        longer than keeps a probe that accepts nothing within PROBE_SHARE of the stretch's time.
+
+        A 2-token probe of a cut block costs v(2) + d_short - 1 ~ 0.25 plain steps more than the
+        step it replaces (0.5 for the pair of cycles that times it), while a stretch wrongly
+        plain loses ~20% of the text's speed: at acceptance ~0.45 a run of misses can drag the
+        estimate p below the bar, and a gap doubling to 128 after each failed probe then kept
+        109-120 of 135 cycles plain (session 35, the demo prompt in one process and in the
+        daemon; the same text drafts at 26-28 tok/s against 22-23)."""
+        if self.wide:
+            return self.max_probe_gap
+        k = self.probe_window
+        cost = 2.0 * max(self.v[k] + self.overhead(k) - 1.0, 0.0)
+        return int(min(self.max_probe_gap, max(self.probe_every, math.ceil(cost / PROBE_SHARE - 1e-9))))
+
+    def _steady(self, after_plain: bool) -> bool:
+        """Whether a draft cycle's time is a draft cycle's own (narrow windows): not when it came
+        right after a plain step. Plain steps are queued one ahead and feed the draft's context
+        nothing until the next draft, so the first draft cycle after them also drains the last
+        queued step and adds every row of the plain stretch to the draft's context. Session 35,
+        SmolLM2-135M fp32 on the 2-core CPU (DFLASH_WINDOW_TRACE): 2-token probes after 16-32
+        plain steps took 74-85 ms against 56-60 ms for 2-token cycles in a row (a plain step 49 ms),
+        so each probe measured d_short 0.5-0.7 where drafting runs at ~0.15-0.25. From a stored d_short
+        of 0.8 every probe kept it there: 120 of 135 cycles plain, 22.7 tok/s, where the same
+        prompt drafts at 27.8. Wide windows (a GPU's) keep timing every draft cycle, as measured
+        there (module doc)."""
+        return self.wide or not after_plain
 
     def _log(self, window: int, accepted: int, seconds: float | None, copied: bool) -> None:
         """One line of DFLASH_WINDOW_TRACE: this cycle and the estimates it left."""

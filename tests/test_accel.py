@@ -118,3 +118,21 @@ def test_a_choice_without_re_exec_stays_in_this_process(monkeypatch: pytest.Monk
     accel.maybe_reexec(blas="none")  # nothing to do: returns without re-executing
     assert accel.MARK not in os.environ
     assert accel.describe().startswith("default BLAS (blas = none)")
+
+
+def test_mkl_threads_over_every_core_except_on_amd(tmp_path: Path) -> None:
+    """MKL's OpenMP layer paid on the 2-core Xeon VM (session 12) and cost on the AMD EPYC
+    ones (session 35: a 16-token verify 177 -> 118 ms single-threaded): the user's
+    MKL_THREADING_LAYER wins, then one thread on AMD, then OpenMP where libiomp5 is beside MKL."""
+    with_omp, without = tmp_path / "omp", tmp_path / "plain"
+    with_omp.mkdir()
+    without.mkdir()
+    (with_omp / "libiomp5.so").write_bytes(b"")
+    assert accel.threading_layer(with_omp, {}, vendor="GenuineIntel") == "INTEL"
+    assert accel.threading_layer(without, {}, vendor="GenuineIntel") == "SEQUENTIAL"
+    assert accel.threading_layer(with_omp, {}, vendor="AuthenticAMD") == "SEQUENTIAL"
+    assert accel.threading_layer(with_omp, {"MKL_THREADING_LAYER": "INTEL"}, vendor="AuthenticAMD") == "INTEL"
+    assert accel.threading_layer(with_omp, {}, vendor="") == "INTEL"  # unknown vendor: as before
+    vendor = accel.cpu_vendor()  # this machine's, read from /proc/cpuinfo ("" where it has none)
+    assert vendor == vendor.strip() and (vendor != "" or not Path("/proc/cpuinfo").exists()
+                                         or "vendor_id" not in Path("/proc/cpuinfo").read_text())
