@@ -474,12 +474,12 @@ class VerifyWindow:
         right after a plain step. Plain steps are queued one ahead and feed the draft's context
         nothing until the next draft, so the first draft cycle after them also drains the last
         queued step and adds every row of the plain stretch to the draft's context. Session 35,
-        SmolLM2-135M fp32 on the 2-core CPU (DFLASH_WINDOW_TRACE): 2-token probes after 16-32
-        plain steps took 74-85 ms against 56-60 ms for 2-token cycles in a row (a plain step 49 ms),
-        so each probe measured d_short 0.5-0.7 where drafting runs at ~0.15-0.25. From a stored d_short
-        of 0.8 every probe kept it there: 120 of 135 cycles plain, 22.7 tok/s, where the same
-        prompt drafts at 27.8. Wide windows (a GPU's) keep timing every draft cycle, as measured
-        there (module doc)."""
+        SmolLM2-135M fp32 on the 2-core CPU (DFLASH_WINDOW_TRACE): in a daemon gone plain,
+        2-token probes after 16-32 plain steps took 74-85 ms (a plain step 49 ms), where a daemon
+        drafting steadily ran 2-token cycles in 56-60 ms, so each probe measured d_short 0.5-0.7
+        and kept it there. In one process such probes cost what the next cycles did (1.24-1.26
+        steps against 1.22-1.28), so skipping them costs nothing there. Wide windows (a GPU's)
+        keep timing every draft cycle, as measured there (module doc)."""
         return self.wide or not after_plain
 
     def _log(self, window: int, accepted: int, seconds: float | None, copied: bool) -> None:
