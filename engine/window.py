@@ -372,8 +372,8 @@ class VerifyWindow:
         if self.cycles >= 1 and (self.step_s is None or self._since_step >= self.remeasure_every):
             return 1, None  # time a plain step: early, then again as the context grows
         if best_rate < 1.0:
-            if self._retime:  # the probe's second cycle, the one that times a draft cycle
-                return min(k, self.probe_window), None
+            if self._retime:  # the probe's second cycle, the one that times a draft cycle (a copy
+                return min(k, self.probe_window), 1.0  # that beats a plain step may take it instead)
             if self._since_draft < self._probe_gap:
                 return 1, 1.0  # drafting does not pay at this acceptance: decode plainly for a while
             # a probe: the cheapest window testing the draft (wide: the whole block, which is

@@ -74,9 +74,11 @@ def test_copies_are_lossless_on_every_family(pairs, arch, eager_copies):
                                            verify_window=window)
                 s = final.stats
                 assert final.token_ids == ref[:N_NEW], f"{arch} {name} window {window}"
-                if name == "random" or window != "auto":  # auto measures the oracle's draft
-                    # pass as free: accepted every other token, it may beat every copy
+                if window != "auto":  # a fixed window: a matched copy competes every cycle
                     assert s.copy_cycles > 0, f"{arch} {name} window {window}: no copy verified"
+                # (under "auto" a copy competes only where the policy has no draft cycle to run
+                # or time, so whether this short random text's few matches land there depends on
+                # the probe schedule: auto's copies are asserted on the looping target below)
                 # drafts accepted past max_tokens in the last cycle are counted, not emitted
                 assert s.copy_accepted <= s.accepted_drafts
                 assert sum(f for ev in events for f in ev.from_draft) <= s.accepted_drafts
