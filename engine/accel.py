@@ -131,13 +131,14 @@ def threading_layer(lib: Path, env: dict, vendor: str | None = None) -> str:
     100-129 ms and a draft pass 43-54 -> 28-42 ms (wide products gain most from a second core),
     so the chat speedup went from 1.30x / 1.31x / 1.30x to 1.46x / 1.53x / 1.44x (geometric means
     of three interleaved runs each).
-    On the 2-core AMD EPYC VMs (session 35) one thread is faster end to end. The chat benchmark
-    in one session: SEQUENTIAL 1.84x against INTEL 1.72x (the four questions short of near-certain
-    acceptance 1.34-1.57x against 1.17-1.42x, DFlash 28.3-32.7 tok/s against 24.7-29.3, mlx-lm
-    ~21 tok/s either way); in the daemon (6 jobs each, `--compare-plain`) plain decoding 19.9-20.8
-    -> 23.1-24.2 tok/s and DFlash 23.8-28.6 -> 25.2-30.3. Only wide products still gain from the
+    On the 2-core AMD EPYC VMs (session 35) one thread is faster end to end. The chat benchmark,
+    two interleaved pairs: SEQUENTIAL 1.84x / 1.84x against INTEL 1.72x / 1.67x (the four
+    questions short of near-certain acceptance 1.34-1.61x against 1.12-1.50x, mlx-lm 20-23 tok/s
+    either way); in the daemon (6 jobs each, `--compare-plain`) plain decoding 19.9-20.8 ->
+    23.1-24.2 tok/s and DFlash 23.8-28.6 -> 25.2-30.3. Only wide products still gain from the
     threads (the benchmark's 16-token verify 88-112 ms threaded against 114-121 ms; the
-    near-certain question 5.63x against 4.97x), while a CPU drafts mostly with narrow windows.
+    near-certain question 5.63-5.66x against 4.85-4.97x), while a CPU drafts mostly with narrow
+    windows.
     MKL runs its generic kernels there (libmkl_def), and a third of the worker's samples sat in
     OpenMP's spin-wait (kmp_flag_64::wait) beside the worker's own threads.
     """
