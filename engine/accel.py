@@ -144,17 +144,18 @@ def threading_layer(lib: Path, env: dict, vendor: str | None = None) -> str:
     """
     if env.get("MKL_THREADING_LAYER"):
         return env["MKL_THREADING_LAYER"]
-    if (cpu_vendor() if vendor is None else vendor) == "AuthenticAMD":
+    if (cpuinfo("vendor_id") if vendor is None else vendor) == "AuthenticAMD":
         return "SEQUENTIAL"
     return "INTEL" if any(lib.glob("libiomp5.so*")) else "SEQUENTIAL"
 
 
-def cpu_vendor() -> str:
-    """The CPU's vendor id from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"; "" if unknown)."""
+def cpuinfo(field: str) -> str:
+    """A field of /proc/cpuinfo's first processor ("vendor_id": "GenuineIntel", "AuthenticAMD";
+    "model name"), "" where there is none."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
-                if line.startswith("vendor_id"):
+                if line.split(":", 1)[0].strip() == field:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass

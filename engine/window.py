@@ -431,7 +431,8 @@ class VerifyWindow:
         self._since_draft = 0
         self._since_step += 1
         self._draft_cycles += 1
-        self._retime = after_plain and not self.wide and self.fixed is None
+        steady = self._steady(after_plain)
+        self._retime = not steady and self.fixed is None  # time the next one (a probe's second cycle)
         self.successes = self.successes * self.decay + accepted
         self.failures = self.failures * self.decay + (1 if accepted < window - 1 else 0)
         if window == self.block_size:
@@ -439,7 +440,7 @@ class VerifyWindow:
             self._full_sum = self._full_sum * self.full_decay + accepted + 1.0
             self._full_seen = True
         if (self.fixed is None and seconds is not None and self.step_s
-                and self._draft_cycles > 1 and self._steady(after_plain)):
+                and self._draft_cycles > 1 and steady):
             d = self._overhead(seconds, window)
             if window <= self.short_max and not whole_block:
                 self.d_short, self._d_short_measured = _updated(self.d_short, d, self._d_short_measured), True

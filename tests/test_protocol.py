@@ -122,14 +122,14 @@ def test_accel_plan_finds_mkl_in_the_env_lib_dir(tmp_path, monkeypatch):
     assert accel.find_mkl(tmp_path) == real.resolve()
     monkeypatch.setattr(accel.sys, "platform", "linux")
     monkeypatch.setattr(accel.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(accel, "cpu_vendor", lambda: "GenuineIntel")  # AMD: one thread (test_accel.py)
+    monkeypatch.setattr(accel, "cpuinfo", lambda field: "GenuineIntel")  # AMD: one thread (test_accel.py)
     plan = accel.plan("auto", tmp_path, env={})
     assert plan["LD_PRELOAD"] == str(real.resolve()) and plan["MKL_THREADING_LAYER"] == "SEQUENTIAL"
     (lib / "libiomp5.so").write_bytes(b"")  # MKL's OpenMP runtime beside it: threads over every core
     assert accel.plan("auto", tmp_path, env={})["MKL_THREADING_LAYER"] == "INTEL"
-    monkeypatch.setattr(accel, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(accel, "cpuinfo", lambda field: "AuthenticAMD")
     assert accel.plan("auto", tmp_path, env={})["MKL_THREADING_LAYER"] == "SEQUENTIAL"
-    monkeypatch.setattr(accel, "cpu_vendor", lambda: "GenuineIntel")
+    monkeypatch.setattr(accel, "cpuinfo", lambda field: "GenuineIntel")
     mine = accel.plan("auto", tmp_path, env={"MKL_THREADING_LAYER": "GNU"})
     assert mine["MKL_THREADING_LAYER"] == "GNU"  # the user's choice wins
     assert accel.plan("auto", tmp_path, env={accel.MARK: "mkl"}) is None  # no re-exec loop

@@ -24,7 +24,7 @@ def hardware_info() -> dict:
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "processor": platform.processor() or _cpu_model(),
+        "processor": platform.processor() or accel.cpuinfo("model name"),
         "cpu_count": os.cpu_count(),
         "memory_gb": _memory_gb(),
         "mx_default_device": str(mx.default_device()),
@@ -42,16 +42,6 @@ def hardware_info() -> dict:
     if blas:
         info["env"] = blas
     return info
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def _memory_gb() -> float | None:
