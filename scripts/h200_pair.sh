@@ -28,8 +28,11 @@
 #   bench [FLAGS]       - dflash benchmark of target + draft into $OUT (FLAGS added, e.g. --chat)
 #   ttft                - prefix-cache TTFT (cold / L1 / L2) on a 4K-token prompt into $OUT
 #                         (needs EXTRA="pyzmq==27.3.0 diskcache==5.6.3" when staging)
+# TARGET_DTYPE=float32: the target rebuilt in fp32 from the GGUF (the CPU's weights exactly; a
+# bf16 copy upcast later keeps bf16's rounding), for fp32 answers and fp32 features (session 36)
 set -uo pipefail
-MODEL=/tmp/stage/files/smol-bf16
+TARGET_DTYPE=${TARGET_DTYPE:-bfloat16}
+MODEL=/tmp/stage/files/smol-bf16; [ "$TARGET_DTYPE" = float32 ] && MODEL=/tmp/stage/files/smol-fp32
 TRAIN=/tmp/train_out
 LOG=/tmp/train_stdout.log
 DRAFT=${DRAFT:-$TRAIN}  # bench/ttft: the draft just trained, or e.g. the bundled one staged as a file
@@ -40,7 +43,7 @@ ns() {
 }
 model() {  # the bf16 target, rebuilt from the staged GGUF + tokenizer files (scripts/h200_target.py)
   [ -d "$MODEL" ] || python3 scripts/h200_target.py /tmp/stage/files/SmolLM2-135M-Instruct.Q4_1.gguf \
-    /tmp/stage/files/smoltok "$MODEL"
+    /tmp/stage/files/smoltok "$MODEL" --dtype "$TARGET_DTYPE"
 }
 bg() {  # run the training script in its own session, detached from this call
   setsid nohup bash -c "bash scripts/train_smollm2_h200.sh $MODEL $TRAIN $*; echo TRAIN_DONE" \

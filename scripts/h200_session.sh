@@ -25,6 +25,8 @@
 #   CALL_S=585      the call returns by then (the device's limit is 600 s): W is cut to what is left
 #   NGPU=2          GPUs (1 on nvidia-h200: give TRAIN_FLAGS="--seqs-per-batch 32" to keep the
 #                   2,048-block step);  TRAIN_FLAGS=...  more train-draft flags for the train phase
+#   DATA_FLAGS=...  train-draft flags for the data phase and the train phase alike (they make and
+#                   read the same cache), e.g. "--dtype float32 --sampled-responses 0"
 #   GEN_BATCH=2048  rows a generation batch (data phase and train phase alike; batches are
 #                   also cut to half the GPU's memory, engine/training/data.py)
 #   PACKDATA=1      bring the data cache back (0: the cache did not change, DATA=0)
@@ -57,7 +59,12 @@ DATA_PHASE=${DATA:-1}; unset DATA
 LOG=/tmp/train_stdout.log
 # sessions 3-5's prompts, not trained on: a file no rank appends to (data-s10/s11; with one GPU the
 # cache's derived_prompts.jsonl is the shard new prompts go to, and train-draft refuses it)
-FLAGS="--gen-batch-size ${GEN_BATCH:-2048} --num-prompts 0 --exclude-prompts /tmp/train_out/data/derived_prompts.s3-5.jsonl --sampled-responses 0.5"
+# (session 36 staged no data: then nothing to exclude). DATA_FLAGS: more flags for the data phase
+# AND the train phase, which answers any prompts the cache still lacks with the same settings
+# (e.g. DATA_FLAGS="--dtype float32 --sampled-responses 0": fp32 greedy answers)
+EXCL=""; ls /tmp/stage/files/campaign-data.tar.xz.* > /dev/null 2>&1 \
+  && EXCL="--exclude-prompts /tmp/train_out/data/derived_prompts.s3-5.jsonl"
+FLAGS="--gen-batch-size ${GEN_BATCH:-2048} --num-prompts 0 $EXCL --sampled-responses 0.5 ${DATA_FLAGS:-}"
 RESTART=${RESTART_LR-4e-4}
 # the train phase's flags, for the campaign's run and for both arms of an A/B alike
 TRAIN_ARGS=(--miss-anchor-frac 0.5 --early-anchor-frac 0.3 ${RESTART:+--restart-lr $RESTART} $FLAGS ${TRAIN_FLAGS:-})

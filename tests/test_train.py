@@ -168,6 +168,7 @@ def test_train_tiny_draft_end_to_end(looping: Path, loop_data: Path, tmp_path: P
     assert summary["steps"] == 40 and summary["compile_traces"] == 1  # fixed shapes: one trace
     assert log[-1]["blocks_per_s"] > 0 and log[-1]["block_tokens_per_s"] == 8 * log[-1]["blocks_per_s"]
     assert (out / "README.md").is_file() and summary["heldout"]["overall"]["prompts"] == 7
+    assert "20 built-in prompts" in (out / "README.md").read_text()  # where its data came from
     assert len(summary["heldout"]["overall"]["accept_curve"]) == 7
     # the draft's proposal vocabulary: its answers' tokens by frequency (engine/draftvocab.py)
     from dflash.engine import draftvocab
@@ -251,6 +252,21 @@ def test_short_block_training_marks_the_draft_for_cut_blocks(looping: Path, loop
         reports[window] = json.loads(rep.read_text())
         assert reports[window]["window"] == (window or "full") and reports[window]["cut_block"] is cut
         assert reports[window]["heldout"]["overall"]["prompts"] == 2
+        answers = reports[window]["answers"]  # one a prompt, in order: the texts this dtype wrote
+        assert [a["kind"] for a in answers] == ["chat", "code"]
+        assert all(len(a["ids"]) == 12 and a["cycles"] >= 1 for a in answers)
+    # every window decodes the same greedy text (only the cycles differ)
+    assert reports[3]["answers"][0]["ids"] == reports[None]["answers"][0]["ids"]
+    # one draft row a verify unless asked: --rows 4 decodes the same text, and says so
+    assert reports[None]["rows"] == 1
+    rep = tmp_path / "rows4.json"
+    r = CliRunner().invoke(eval_draft_command, ["--target", str(looping), "--draft", str(out), "--heldout-file",
+                                               str(held), "--max-tokens", "12", "--rows", "4", "--out", str(rep)])
+    assert r.exit_code == 0 and "4 draft rows a verify" in r.output, r.output
+    rows4 = json.loads(rep.read_text())
+    assert rows4["rows"] == 4 and all(a["rows"] == 4 for a in rows4["answers"])
+    assert all(a["rows"] == 1 for a in reports[None]["answers"])
+    assert [a["ids"] for a in rows4["answers"]] == [a["ids"] for a in reports[None]["answers"]]
     assert reports[3]["heldout"]["overall"]["tau"] <= 3  # a 3-token window emits at most 3
     r = CliRunner().invoke(eval_draft_command, ["--target", str(looping), "--draft", str(out),
                                                "--heldout-file", str(held), "--window", "99"])

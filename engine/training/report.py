@@ -15,7 +15,7 @@ Log = Callable[[str], None]
 def evaluate(
     target: TargetModel, draft: DFlashDraft, tokenizer: Any, samples: list[Any],
     max_tokens: int = 128, log: Log = print, vocab: list[int] | None = None,
-    window: str | int = "full",
+    window: str | int = "full", answers: list[dict[str, Any]] | None = None, rows: int = 1,
 ) -> dict[str, Any]:
     """Acceptance, tokens per cycle (tau) and the per-position acceptance curve of `draft`,
     overall and per prompt kind, decoding every prompt with the full 16-token verify
@@ -24,10 +24,20 @@ def evaluate(
     draft's config allows it (engine/drafters.py; DFLASH_SHORT_BLOCK overrides): what cut-block
     training (`--short-block-frac`) is for.
 
+    One draft row a verify by default (`rows`): what the draft itself proposes. A CUDA GPU's
+    engine verifies 8 rows in bf16 (engine/branches.py), which buys more tokens a cycle from the
+    same draft (session 36, an H100, bundled draft, 256 tokens: tau 4.37 with the default 8 rows
+    against 3.27 with one in session 35), so a held-out number that took the engine's default
+    would move with the machine and dtype, not with the draft.
+
     curve[k-1] = share of cycles whose first k drafts were all accepted (k = 1..B-1).
     Overall also `by_position`: tau of the cycles that start in each 16-token stretch of the
     answer (where in an answer the draft is weak); each answer's last cycle, cut short by EOS or
     max_tokens, is left out of it.
+
+    `answers`, when given, gets one record a prompt (kind, tau, the answer's token ids): which
+    prompts pull tau up or down, and what the target wrote in this dtype (fp32 and bf16 greedy
+    answers are different texts, which is what an fp32-vs-bf16 evaluation compares).
     """
     from ..drafters import DFlashDrafter
     from ..generate import Finished, TokenDelta, stream_dflash_generate
@@ -43,7 +53,7 @@ def evaluate(
         pos, last = 0, None  # answer tokens before `last`, the latest cycle's delta
         for i, ev in enumerate(stream_dflash_generate(
             target, drafter, tokenizer, s.prompt_ids, max_tokens, verify_window=window,
-            copy_draft=False,
+            copy_draft=False, branches=rows,
         )):
             if isinstance(ev, Finished):
                 final = ev
@@ -58,6 +68,9 @@ def evaluate(
                     continue
                 last = ev
         st = final.stats
+        if answers is not None:
+            answers.append({"kind": s.kind, "tau": round((st.accepted_drafts + st.cycles) / max(st.cycles, 1), 3),
+                            "cycles": st.cycles, "rows": st.branch_rows, "ids": list(final.token_ids)})
         for key in (s.kind, "overall"):
             acc = sums.setdefault(key, {"n": 0, "gen": 0, "acc": 0, "cyc": 0, "hist": None})
             acc["n"] += 1
@@ -92,6 +105,20 @@ def evaluate(
     return report
 
 
+def _prompt_sources(o: dict[str, Any], derived: int | None) -> str:
+    """Where the training prompts came from, in words (session 36's card said "built-in prompt
+    set" for a run given --num-prompts 0, which trained on derived prompts only)."""
+    parts = []
+    if o.get("prompts"):
+        parts.append(f"file {o['prompts']}")
+    elif o.get("num_prompts") != 0:  # an older summary without the count: built-in ones still
+        n = o.get("num_prompts")
+        parts.append(f"{'' if n is None else f'{n} '}built-in prompts: chat, code, math, story, explain")
+    if derived:
+        parts.append(f"{derived} prompts written by the target itself (sampled user turns)")
+    return " + ".join(parts) or "no prompts"
+
+
 def write_model_card(out: Path, s: dict[str, Any]) -> None:
     """README.md next to the draft: what it is, how it was trained, what it achieves."""
     c = s["config"]
@@ -116,7 +143,7 @@ Output is always the target's own greedy text; the draft only sets the speed.
 - target layers captured: {c['dflash_config']['target_layer_ids']} of {c['num_target_layers']}
 
 ## Training data
-- {s['train_sequences']} training sequences ({'file ' + str(o['prompts']) if o['prompts'] else 'built-in prompt set: chat, code, math, story, explain'}{f" + {s['derived_prompts']} prompts written by the target itself (sampled user turns)" if s.get('derived_prompts') else ''}),
+- {s['train_sequences']} training sequences ({_prompt_sources(o, s.get('derived_prompts'))}),
   responses by the target (up to {o['max_new_tokens']} new tokens; {f"{o.get('sampled_responses', 0):.0%} of new prompts sampled at temperature {o.get('response_temperature')}, the rest greedy" if o.get('sampled_responses') else 'greedy'}){f", the prompts of {o['exclude_prompts']} excluded" if o.get('exclude_prompts') else ''},
   {s['train_tokens']} tokens in all (prompt + response, cut at {s.get('seq_len', o['max_len'])})
 - the {s.get('heldout_excluded', s['heldout_prompts'])} held-out prompts (engine/training/heldout_prompts.jsonl) were never trained on
@@ -169,28 +196,30 @@ def _eval_cli():
     @click.option("--heldout-file", default=None, help="Default: the committed engine/training/heldout_prompts.jsonl.")
     @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default=None, help="Default: bf16 on GPU, fp32 on CPU.")
     @click.option("--window", type=click.IntRange(2), default=None, help="Verify this many tokens a cycle instead of the whole block (blocks cut to it where the draft allows: DFLASH_SHORT_BLOCK).")
+    @click.option("--rows", default=1, show_default=True, type=click.IntRange(1, 8), help="Draft rows a verify (engine/branches.py): 1 measures the draft itself; a CUDA GPU's engine verifies 8 in bf16 (DFLASH_BRANCHES), which gives more tokens a cycle from the same draft.")
     @click.option("--out", default=None, help="Write the report (JSON) here.")
-    def eval_draft_command(target, draft, max_tokens, n_prompts, heldout_file, dtype, window, out):
+    def eval_draft_command(target, draft, max_tokens, n_prompts, heldout_file, dtype, window, rows, out):
         """Held-out acceptance, tau and acceptance curve of the --draft on the --target (greedy;
         every cycle verifies the whole block, or --window tokens). Ctrl-C cancels (exit 130)."""
         import sys
 
         try:
-            _eval_draft(target, draft, max_tokens, n_prompts, heldout_file, dtype, window, out)
+            _eval_draft(target, draft, max_tokens, n_prompts, heldout_file, dtype, window, rows, out)
         except KeyboardInterrupt:
             click.echo("cancelled" + (f" (nothing written to {out})" if out else ""), err=True)
             sys.exit(130)
         except OSError as e:  # the report's folder gone, no permission, disk full: one line
             raise click.ClickException(f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}") from e
 
-    def _eval_draft(target, draft, max_tokens, n_prompts, heldout_file, dtype, window, out):
+    def _eval_draft(target, draft, max_tokens, n_prompts, heldout_file, dtype, window, rows, out):
         """The command's work (its Ctrl-C and OSError handling above)."""
         import json
 
         import mlx.core as mx
         from mlx_lm import load
 
-        from .. import draftvocab
+        from .. import branches, draftvocab
+        from ..target import head_shape, weights_dtype
         from ..drafters import check_fit, short_block_max
         from ..loading import draft_dtype, resolve_model
         from . import data as td
@@ -215,6 +244,13 @@ def _eval_cli():
             vocab = draftvocab.choose(draft, tm.vocab_size)
         except ValueError as e:
             raise click.ClickException(str(e)) from e
+        if rows > 1 and not branches.attention_takes_rows(
+                tm.verify_attention, weights_dtype(model), *head_shape(tm.args)):
+            raise click.ClickException(
+                f"--rows {rows}: this target's verify attention cannot read several rows here "
+                "(a CUDA GPU needs bf16/fp16 and the few-query kernel, engine/branches.py)")
+        if rows > 1:
+            log(f"[eval] {rows} draft rows a verify (tau then counts what the rows buy, not the draft alone)")
         if vocab:
             log(f"[eval] draft vocabulary: {draftvocab.describe(len(vocab))} ({draftvocab.ENV})")
         if window is not None and window > d.config.block_size:
@@ -225,12 +261,15 @@ def _eval_cli():
             raise click.ClickException(str(e)) from e
         if window is not None:
             log(f"[eval] verify window {window}, " + (f"draft blocks cut to {window} rows" if cut else "whole draft blocks"))
-        report = evaluate(tm, d, tokenizer, samples, max_tokens, log, vocab, window or "full")
+        answers: list[dict] = []
+        report = evaluate(tm, d, tokenizer, samples, max_tokens, log, vocab, window or "full", answers,
+                          rows)
         if out:
             rec = {"target": target, "draft": draft, "max_tokens": max_tokens, "dtype": dt,
                    "draft_vocab": len(vocab) if vocab else None, "window": window or "full",
-                   "cut_block": bool(cut),
-                   "device": str(mx.default_device()), "prompts": len(samples), "heldout": report}
+                   "cut_block": bool(cut), "rows": rows,
+                   "device": str(mx.default_device()), "prompts": len(samples), "heldout": report,
+                   "answers": answers}
             tmp = Path(f"{out}.tmp")  # whole or nothing: a full disk leaves no torn report
             tmp.write_text(json.dumps(rec, indent=2) + "\n")
             tmp.replace(out)
