@@ -26,9 +26,9 @@ def evaluate(
 
     One draft row a verify by default (`rows`): what the draft itself proposes. A CUDA GPU's
     engine verifies 8 rows in bf16 (engine/branches.py), which buys more tokens a cycle from the
-    same draft (session 36, an H100, bundled draft, 256 tokens: tau 4.37 with the default 8 rows
-    against 3.27 with one in session 35), so a held-out number that took the engine's default
-    would move with the machine and dtype, not with the draft.
+    same draft (session 36, an H100, bundled draft, bf16, 256 tokens: tau 4.37 with the default
+    8 rows against 3.35 with one), so a held-out number that took the engine's default would
+    move with the machine and dtype, not with the draft.
 
     curve[k-1] = share of cycles whose first k drafts were all accepted (k = 1..B-1).
     Overall also `by_position`: tau of the cycles that start in each 16-token stretch of the
@@ -219,9 +219,9 @@ def _eval_cli():
         from mlx_lm import load
 
         from .. import branches, draftvocab
-        from ..target import head_shape, weights_dtype
         from ..drafters import check_fit, short_block_max
         from ..loading import draft_dtype, resolve_model
+        from ..target import head_shape, weights_dtype
         from . import data as td
         from .checkpoint import read_draft
 
