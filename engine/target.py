@@ -121,8 +121,7 @@ class TargetModel:
         self.run_ahead = self.pipelined and os.environ.get(RUNAHEAD_ENV, "1").strip() != "0"
         self.branches = branches.configure()  # DFLASH_BRANCHES: draft rows per greedy verify
         self.branch_budget = branches.budget()  # the default rows' KV copies, in bytes (None: any)
-        if self.branches > 1 and not branches.attention_takes_rows(
-                self.verify_attention, weights_dtype(model), *head_shape(self.args)):
+        if self.branches > 1 and not self.takes_rows():
             if branches.explicit():  # the default falls back quietly (fp32 on a GPU, say)
                 warnings.warn(f"{branches.ENV}={self.branches}: this target's verify attention is "
                               "not ours here (a CUDA GPU needs the few-query kernel: bf16/fp16, "
@@ -136,6 +135,12 @@ class TargetModel:
         self.cpu_fast = cpufast.install(model)
         # q/k/v and gate/up as one product each (fuse.py; a GPU's default); our forwards only
         self.fused = fuse.install(model)
+
+    def takes_rows(self) -> bool:
+        """Whether this target's verify attention reads several draft rows right here (any CPU;
+        on a CUDA GPU the few-query kernel in bf16/fp16: branches.attention_takes_rows)."""
+        return branches.attention_takes_rows(self.verify_attention, weights_dtype(self.model),
+                                             *head_shape(self.args))
 
     @property
     def row_padding(self) -> bool:

@@ -41,7 +41,7 @@ ns() {
   for d in engine cache daemon client launchd; do ln -sfn "$PWD/$d" "/tmp/ns/dflash/$d"; done
   export PYTHONPATH=/tmp/ns:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 }
-model() {  # the bf16 target, rebuilt from the staged GGUF + tokenizer files (scripts/h200_target.py)
+model() {  # the target in TARGET_DTYPE, rebuilt from the staged GGUF + tokenizer files (scripts/h200_target.py)
   [ -d "$MODEL" ] || python3 scripts/h200_target.py /tmp/stage/files/SmolLM2-135M-Instruct.Q4_1.gguf \
     /tmp/stage/files/smoltok "$MODEL" --dtype "$TARGET_DTYPE"
 }

@@ -69,7 +69,7 @@ def evaluate(
                 last = ev
         st = final.stats
         if answers is not None:
-            answers.append({"kind": s.kind, "tau": round((st.accepted_drafts + st.cycles) / max(st.cycles, 1), 3),
+            answers.append({"kind": s.kind, "tau": round(st.tokens_per_cycle, 3),
                             "cycles": st.cycles, "rows": st.branch_rows, "ids": list(final.token_ids)})
         for key in (s.kind, "overall"):
             acc = sums.setdefault(key, {"n": 0, "gen": 0, "acc": 0, "cyc": 0, "hist": None})
@@ -218,10 +218,9 @@ def _eval_cli():
         import mlx.core as mx
         from mlx_lm import load
 
-        from .. import branches, draftvocab
+        from .. import draftvocab
         from ..drafters import check_fit, short_block_max
         from ..loading import draft_dtype, resolve_model
-        from ..target import head_shape, weights_dtype
         from . import data as td
         from .checkpoint import read_draft
 
@@ -244,8 +243,7 @@ def _eval_cli():
             vocab = draftvocab.choose(draft, tm.vocab_size)
         except ValueError as e:
             raise click.ClickException(str(e)) from e
-        if rows > 1 and not branches.attention_takes_rows(
-                tm.verify_attention, weights_dtype(model), *head_shape(tm.args)):
+        if rows > 1 and not tm.takes_rows():
             raise click.ClickException(
                 f"--rows {rows}: this target's verify attention cannot read several rows here "
                 "(a CUDA GPU needs bf16/fp16 and the few-query kernel, engine/branches.py)")
