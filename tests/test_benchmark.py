@@ -102,6 +102,9 @@ def _check_common(data: dict, mode: str) -> None:
         fwd = row["forward"]
         assert fwd["block_size"] == BLOCK and fwd["step_ms"] > 0 and fwd["verify_ms"] > 0
         assert fwd["ratio"] == pytest.approx(fwd["verify_ms"] / fwd["step_ms"])
+        # an attention-only target: each verify is timed again at the same shape, and the
+        # repeat does not make the timed forwards' own shapes revisited
+        assert fwd["verify_revisited_ms"] > 0 and fwd["first_time"] is True
 
 
 def test_dflash_mode(tiny: Path, tmp_path: Path) -> None:
@@ -193,6 +196,45 @@ def test_chat_mode_one_row_per_question(tiny: Path, tmp_path: Path) -> None:
     assert plot_tool.main([str(questions)]) == 1  # not a result: a clear line, no traceback
     with pytest.raises(ValueError, match="--chat needs a real model"):
         run_benchmark(BenchConfig(random_target="tiny", chat=True, out=str(tmp_path)), log=lambda s: None)
+
+
+def test_chat_process_per_run_is_first_time(tiny: Path, tmp_path: Path) -> None:
+    """--chat --process-per-run: each repeat of each question in a process of its own, warmed up
+    on text elsewhere, DFlash first: every DFlash run decodes at shapes new to its process (the
+    ledger says so), the baseline after it revisits at most single-token steps, and the parent
+    writes one result with a row per question over all repeats."""
+    questions = tmp_path / "q.txt"
+    questions.write_text("What is two plus two?\nName a red fruit.\n")
+    out = tmp_path / "out"
+    res = CliRunner().invoke(benchmark_command, [
+        "--model", str(tiny / "target"), "--draft", str(tiny / "draft"), "--chat", "--prompt-file",
+        str(questions), "--process-per-run", "--repeats", "2", "--max-tokens", str(MAX_TOKENS),
+        "--cooldown", "0", "--verify-iters", "2", "--no-plot", "--out", str(out)])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    (saved,) = out.glob("*.json")
+    data = json.loads(saved.read_text())
+    m = data["method"]
+    assert m["process_per_run"] is True and m["processes"] == 4 and m["repeats"] == 2
+    assert m["warmup_context"] == 2 * MAX_TOKENS + 512 and m["first_time_verified"] is True
+    assert set(m["revisited_widths"]) <= {1} and data["lossless"] is True
+    assert [row["question"] for row in data["summary"]] == [0, 1]
+    for row in data["summary"]:
+        assert row["dflash_first_time"] is True and row["lossless"] is True
+        assert len(row["baseline_runs_tps"]) == len(row["dflash_runs_tps"]) == 2
+    runs = data["runs"]
+    assert sorted((r["question"], r["repeat"], r["engine"]) for r in runs) == sorted(
+        (q, r, e) for q in (0, 1) for r in (0, 1) for e in ("baseline", "dflash"))
+    assert all(r["first_time"] for r in runs if r["engine"] == "dflash")
+    # a child that fails is a clear error of the command, not a traceback
+    res = CliRunner().invoke(benchmark_command, [
+        "--model", str(tmp_path / "missing"), "--draft", str(tiny / "draft"), "--chat",
+        "--process-per-run", "--prompt-file", str(questions), "--out", str(tmp_path / "bad")])
+    assert res.exit_code == 1 and "exited with status" in res.output, res.output
+    for args, msg in ((["--process-per-run"], "is for --chat"),
+                      (["--warmup-context", "100"], "--warmup-context is for")):
+        res = CliRunner().invoke(benchmark_command, ["--model", str(tiny / "target"), *args,
+                                                     "--out", str(tmp_path / "refused")])
+        assert res.exit_code == 1 and msg in res.output, res.output
 
 
 def test_chat_prompt_file_takes_the_held_out_sets_jsonl() -> None:

@@ -80,6 +80,10 @@ def _temperatures(_ctx: Any, _param: Any, value: str) -> list[float]:
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1))
 @click.option("--warmup", default=1, show_default=True, type=click.IntRange(0),
               help="Untimed runs of both engines per context before the timed ones.")
+@click.option("--warmup-context", default=0, show_default=True, type=click.IntRange(0),
+              help="Warm up on the built-in text cut to this many tokens instead of each row's "
+                   "own prompt (0: the row's prompt). With --chat, one question and --repeats 1, "
+                   "every timed run is at first-time cache lengths (DFlash runs first).")
 @click.option("--cooldown", default=5.0, show_default=True, type=click.FloatRange(0),
               callback=finite_option, help="Seconds to sleep between runs.")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
@@ -120,7 +124,11 @@ def _temperatures(_ctx: Any, _param: Any, value: str) -> list[float]:
 @click.option("--first-time-lengths/--no-first-time-lengths", default=True, show_default=True,
               help="Every timed run at cache lengths never run before in the process (its own "
                    "prompt length); off: one prompt re-run by every run (the old method; --chat "
-                   "always runs so).")
+                   "runs so, unless --process-per-run).")
+@click.option("--process-per-run", is_flag=True,
+              help="With --chat: each repeat of each question in a process of its own, warmed up "
+                   "on text elsewhere (--warmup-context; default 2 x --max-tokens + 512), DFlash "
+                   "first, so every DFlash run is at first-time cache lengths; one JSON for all.")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, (1 << 63) - 1),
               help="Random prompt ids and random weights (--random-target), and the sampling "
                    "draws of each run.")

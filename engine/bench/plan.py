@@ -97,14 +97,15 @@ class ShapeLedger:
         """Close the run: its decode shapes, how many of them this process had run before."""
         shapes, self._run = self._run or [], None
         decode = [(m, o) for m, o in shapes if o >= prompt_len]
-        revisited = sum(1 for m, o in set(decode) if self.seen(m, o))
+        again = {(m, o) for m, o in set(decode) if self.seen(m, o)}
         for m, o in shapes:
             self._add(m, o)
         widths = sorted({m for m, _ in decode})
         return {
-            "first_time": revisited == 0,
+            "first_time": not again,
             "decode_forwards": len(decode),
-            "revisited_shapes": revisited,
+            "revisited_shapes": len(again),
+            "revisited_widths": sorted({m for m, _ in again}),
             "verify_widths": widths,
             "cache_lengths": [min((o for _, o in decode), default=prompt_len),
                               max((o + m for m, o in decode), default=prompt_len)],

@@ -23,6 +23,7 @@ _COLUMNS = [
     ("TTFT base ms", "baseline_ttft_s", "ms"),
     ("TTFT dflash ms", "dflash_ttft_s", "ms"),
     ("verify ms", "verify_ms", "{:.2f}"),
+    ("revisited ms", "verify_revisited_ms", "{:.2f}"),
     ("step ms", "step_ms", "{:.2f}"),
     ("draft ms", "draft_ms", "{:.2f}"),
     ("verify/step", "ratio", "{:.2f}"),

@@ -33,10 +33,12 @@ def method(cfg: BenchConfig, setup: Setup, runs: list[dict], first_time_used: bo
         "shape_rule": "a run is first-time when none of its decode forwards (tokens, cache "
                       "offset >= prompt length) was run before in this process",
         "warmup_runs": cfg.warmup,
+        "warmup_context": cfg.warmup_context or None,  # None: warm-up on each row's own prompt
         "repeats": cfg.repeats,
         "statistic": "median over repeats (every run in runs[]); speedup_paired: the median of "
                      "each repeat's dflash/baseline ratio",
-        "order": "alternating baseline/dflash per repeat",
+        "order": ("alternating dflash/baseline per repeat, dflash first" if cfg.warmup_context
+                  else "alternating baseline/dflash per repeat"),
         "cooldown_s": cfg.cooldown,
         "mlx_cuda_use_cudnn_sdpa": accel.setting(accel.CUDNN_SDPA),
         "mlx_use_cuda_graphs": accel.setting(accel.CUDA_GRAPHS),
@@ -76,7 +78,10 @@ def method(cfg: BenchConfig, setup: Setup, runs: list[dict], first_time_used: bo
                           "sampled runs: null (ids are draws, compare acceptance and speed)",
         "decisive_random_target": setup.decisive,
         "forward_timing": "medians of synced single forwards at first-time cache lengths; "
-                          "ideal_speedup = tau * t(step) / (t(verify) + t(draft))",
+                          "ideal_speedup = tau * t(step) / (t(verify) + t(draft)); "
+                          "verify_revisited_ms: each verify run again at once at the same shape "
+                          "(what re-running a prompt, as --chat does, may gain from per-shape "
+                          "caches)",
     }
 
 
@@ -147,11 +152,11 @@ def _mode_line(cfg: BenchConfig, setup: Setup) -> str:
             f"accepted; the engine's ceiling, NOT a real draft's speed); {cost}")
 
 
-def _write(result: dict, cfg: BenchConfig, setup: Setup) -> Path:
-    """<out>/<label>-<mode>-<host>-<time>.json; a name already taken (two runs in one second)
-    gets -2, -3, ...: a result never overwrites another."""
+def _write(result: dict, cfg: BenchConfig, name: str) -> Path:
+    """<out>/<label or model name>-<mode>-<host>-<time>.json; a name already taken (two runs in
+    one second) gets -2, -3, ...: a result never overwrites another."""
     out = out_dir(cfg.out)
-    stem = "-".join([cfg.label or setup.name, cfg.mode, socket.gethostname(),
+    stem = "-".join([cfg.label or name, cfg.mode, socket.gethostname(),
                      datetime.now().strftime("%Y%m%d-%H%M%S")])
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", stem)
     path, n = out / f"{stem}.json", 2

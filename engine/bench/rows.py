@@ -92,6 +92,10 @@ def summarize(ctx: int, base: list[dict], dfl: list[dict], fwd: dict | None,
         "prompt_tokens": {"baseline": _spread(base, "prompt_tokens"),
                           "dflash": _spread(dfl, "prompt_tokens")},
         "first_time": all(r.get("first_time") for r in base + dfl),
+        "dflash_first_time": all(r.get("first_time") for r in dfl),
+        # the forward widths (tokens) of the shapes any run revisited: [1] is single-token steps only
+        "revisited_widths": sorted({w for r in base + dfl
+                                    for w in (r.get("shapes") or {}).get("revisited_widths", ())}),
         "lossless": None if any(v is None for v in lossless) else all(lossless),
         "forward": fwd,
         "baseline_runs_tps": [r["decode_tps"] for r in base],
@@ -178,9 +182,11 @@ class Bench:
                            draft=setup.draft_model, draft_vocab=setup.draft_vocab)
         fwd["first_time"] = self.ledger.end(len(ids))["first_time"]
         draft = f", draft {fwd['draft_ms']:.2f} ms" if fwd["draft_ms"] is not None else ""
+        again = fwd["verify_revisited_ms"]
+        again = f" (revisited {again:.2f} ms)" if again is not None else ""
         self.log(f"   ctx {center} forward at {len(ids)}: M={setup.block_size} "
-                 f"{fwd['verify_ms']:.2f} ms vs M=1 {fwd['step_ms']:.2f} ms -> t(verify)/t(step) = "
-                 f"{fwd['ratio']:.2f}{draft}")
+                 f"{fwd['verify_ms']:.2f} ms{again} vs M=1 {fwd['step_ms']:.2f} ms -> "
+                 f"t(verify)/t(step) = {fwd['ratio']:.2f}{draft}")
         return fwd
 
 
@@ -328,17 +334,25 @@ def settle_oracle(
 
 def run_context_same(bench: Bench, ids: list[int], temp: float) -> tuple[list[dict], dict]:
     """One prompt, re-run by every run (chat questions, --no-first-time-lengths): the method
-    before first-time lengths; the ledger still says, run by run, which shapes were revisited."""
+    before first-time lengths; the ledger still says, run by run, which shapes were revisited.
+
+    With --warmup-context the warm-up runs on the built-in text instead, and each repeat runs
+    DFlash first: one repeat of one question then decodes at shapes new to the process (the
+    baseline after it can only revisit DFlash's single-token steps, which flatters the
+    baseline if anything)."""
     setup, cfg, log = bench.setup, bench.cfg, bench.log
     ctx = len(ids)
     greedy = temp == 0
+    apart = cfg.warmup_context > 0
+    warm = prompt_ids(setup, cfg.warmup_context, None, cfg.seed) if apart else ids
     log(f"-- context {ctx}" + (f", temperature {temp:g}" if not greedy else "")
-        + f": warm-up x{cfg.warmup} (same prompt every run)")
+        + f": warm-up x{cfg.warmup}"
+        + (f" (on {len(warm)} tokens of text, DFlash first)" if apart else " (same prompt every run)"))
     base_ids: list[int] = []
     for _ in range(cfg.warmup):
-        base_ids, _ = bench.baseline(ids, temp)
+        base_ids, _ = bench.baseline(warm, temp)
         if not cfg.oracle:  # the oracle's settling runs below are its warm-up
-            bench.dflash(ids, temp, base_ids)
+            bench.dflash(warm, temp, base_ids)
         time.sleep(cfg.cooldown)
     reference, settle = base_ids, None
     if cfg.oracle:
@@ -353,7 +367,7 @@ def run_context_same(bench: Bench, ids: list[int], temp: float) -> tuple[list[di
 
     base_runs, dfl_runs = [], []
     for r in range(cfg.repeats):
-        order = ("baseline", "dflash") if r % 2 == 0 else ("dflash", "baseline")
+        order = ("baseline", "dflash") if (r + apart) % 2 == 0 else ("dflash", "baseline")
         got: dict[str, tuple[list[int], dict]] = {}
         for eng in order:
             if eng == "baseline":
@@ -373,7 +387,8 @@ def run_context_same(bench: Bench, ids: list[int], temp: float) -> tuple[list[di
             d_rec.update(lossless=None, first_mismatch=None)
         base_runs.append(b_rec)
         dfl_runs.append(d_rec)
-    fwd = bench.forward_cost(ctx, ids)
+    # at a fresh length of the text when the runs were apart (re-running `ids` would revisit)
+    fwd = bench.forward_cost(ctx, None if apart else ids)
     row = summarize(ctx, base_runs, dfl_runs, fwd, temp)
     if settle is not None:
         row["oracle_reference"] = settle

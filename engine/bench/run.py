@@ -22,7 +22,7 @@ from .rows import (
     run_context_fresh,
     run_context_same,
 )
-from .setup import BenchConfig, Setup, build_setup, chat_prompts, prompt_text
+from .setup import BenchConfig, Setup, build_setup, chat_prompts, chat_questions, prompt_text
 
 
 class Interrupted(KeyboardInterrupt):
@@ -45,6 +45,11 @@ def check_config(cfg: BenchConfig) -> None:
                          "--model / --draft")
     if cfg.random_target and cfg.chat:
         raise ValueError("--chat needs a real model with a tokenizer (not --random-target)")
+    if cfg.process_per_run and (not cfg.chat or cfg.oracle):
+        raise ValueError("--process-per-run is for --chat questions (not --oracle)")
+    if cfg.warmup_context and (cfg.oracle or not (cfg.chat or not cfg.first_time_lengths)):
+        raise ValueError("--warmup-context is for prompts re-run by every run (--chat, or "
+                         "--no-first-time-lengths), not --oracle")
     if cfg.random_target and cfg.draft_layers == 0 and not cfg.oracle:
         raise ValueError("DFlash mode needs a draft (give --draft, or --draft-layers > 0)")
 
@@ -68,6 +73,10 @@ def run_benchmark(cfg: BenchConfig, log: Log = print) -> tuple[dict, Path]:
     check_config(cfg)
     text = prompt_text(cfg)
     with results_folder(cfg.out):
+        if cfg.process_per_run:
+            from .apart import run_apart
+
+            return run_apart(cfg, chat_questions(text), log)
         return _run_benchmark(cfg, log, text)
 
 
@@ -100,7 +109,7 @@ def _run_benchmark(cfg: BenchConfig, log: Log, text: str | None) -> tuple[dict, 
         log("== interrupted (Ctrl-C) before any timed run finished: nothing written")
         raise KeyboardInterrupt
     result = _result(cfg, setup, mode_line, runs, summary, fresh, interrupted)
-    path = _write(result, cfg, setup)
+    path = _write(result, cfg, setup.name)
     from .plot import format_table, plot
 
     if summary:

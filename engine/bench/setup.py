@@ -63,6 +63,9 @@ class BenchConfig:
     max_tokens: int = 256
     repeats: int = 3
     warmup: int = 1
+    # warm up on the built-in text cut to this many tokens, not on each row's prompt (0: the row's
+    # prompt): with --chat, one question and one repeat a process, the timed runs are first-time
+    warmup_context: int = 0
     cooldown: float = 5.0
     dtype: str | None = None
     out: str = DEFAULT_OUT
@@ -79,6 +82,7 @@ class BenchConfig:
     min_p: float = 0.0  # sampling only; 0 = off
     min_tokens_to_keep: int = 1  # sampling with min_p: the tokens min-p always keeps
     first_time_lengths: bool = True  # every timed run at cache lengths new to the process
+    process_per_run: bool = False  # --chat: each repeat of each question in its own process (apart.py)
     seed: int = 0  # random prompt ids, random weights, sampling draws
     plot: bool = True
 
@@ -395,17 +399,24 @@ def text_prompt_ids(tok: Any, length: int, text: str | None = None) -> list[int]
     return ids[:length]
 
 
-def chat_prompts(setup: Setup, text: str | None) -> list[list[int]]:
-    """One prompt per question (a line of `text`: plain, or JSONL with "prompt" as the held-out
-    sets are; or the built-in ones) through the chat template."""
-    from ..prompting import build_prompt, prompt_lines
+def chat_questions(text: str | None) -> list[str]:
+    """The questions: a line of `text` each (plain, or JSONL with "prompt" as the held-out sets
+    are), or the built-in ones."""
+    from ..prompting import prompt_lines
 
-    if setup.random_prompts:
-        raise ValueError("--chat needs a real model with a tokenizer (not --random-target)")
     questions = CHAT_QUESTIONS if text is None else [q for _, q in prompt_lines(text)]
     if not questions:
         raise ValueError("the prompt file has no questions")
-    return [build_prompt(setup.tokenizer, q) for q in questions]
+    return questions
+
+
+def chat_prompts(setup: Setup, text: str | None) -> list[list[int]]:
+    """One prompt per question (chat_questions) through the chat template."""
+    from ..prompting import build_prompt
+
+    if setup.random_prompts:
+        raise ValueError("--chat needs a real model with a tokenizer (not --random-target)")
+    return [build_prompt(setup.tokenizer, q) for q in chat_questions(text)]
 
 
 # Everyday assistant questions of the kinds the default draft is trained on (chat, code, math,
