@@ -92,6 +92,10 @@ class DaemonConfig:
     # a model that fails to load makes the worker exit 2 (and the supervisor stop) instead of
     # staying up in the "failed" state: what a service manager needs to see the failure
     exit_on_load_failure: bool = False
+    # run the engine's paths once after the load, before the first job (daemon/compute.py):
+    # a fresh MLX-CUDA process compiles its kernels at their first call, which the first request
+    # paid (an H100, session 37: 31 tok/s against 213-560 for the requests after it)
+    warm_up: bool = True
 
     def window(self) -> str | int:
         """The verify window as a job carries it: "auto", "full" or a token count."""

@@ -505,7 +505,9 @@ class Worker:
         cache.setdefault("l2_up", False)
         return {
             "pid": os.getpid(),
-            "state": "failed" if self.compute.load_error else "ready" if self.compute.pair else "loading",
+            # "ready" once loaded and warmed up (Compute._warm_up): from then on a job runs at speed
+            "state": ("failed" if self.compute.load_error
+                      else "ready" if self.compute.pair and self.compute.ready.is_set() else "loading"),
             "error": self.compute.load_error,
             "uptime_s": round(time.time() - self.started, 3),
             "endpoint": self.endpoint,

@@ -217,6 +217,23 @@ def test_a_job_starts_from_what_the_earlier_jobs_window_measured(make_daemon, ti
     assert drafted[1] < drafted[0], [r.stats for r in runs]
 
 
+def test_the_worker_warms_up_before_its_first_job_and_keeps_nothing_of_it(make_daemon, tiny_pair):  # noqa: F811
+    """`warm_up` (on by default): the engine's paths run once after the load, before `ready`, so
+    a fresh MLX-CUDA worker's first request does not pay its kernels' first calls. Nothing of it
+    is kept: no job, no tokens, no prefix-cache entry, no window memory; the first job's ids are
+    the target's as ever. Off, the log says nothing of it."""
+    d = make_daemon()
+    assert "warmed up in" in d.logs()
+    with d.client(timeout=60) as c:
+        st = c.stats()
+        assert st["jobs_done"] == 0 and st["tokens_generated"] == 0 and st["queued"] == 0
+        assert st["cache"]["lookups"] == 0 and st["cache"]["l1"]["entries"] == 0
+        assert not (d.cfg.state_path() / "window_memory.json").exists()
+        assert c.generate(PROMPTS[1], max_tokens=24).token_ids == reference(tiny_pair, PROMPTS[1], 24)[1]
+    cold = make_daemon(warm_up=False)
+    assert "warmed up" not in cold.logs() and "warm-up failed" not in d.logs() + cold.logs()
+
+
 def test_what_the_window_measured_survives_a_worker_restart(make_daemon, tiny_pair):  # noqa: F811
     """<state_dir>/window_memory.json (daemon/windowstore.py): a new worker of the same pair starts
     from what the last one measured, so the first job after a restart does not explore again."""

@@ -45,6 +45,9 @@ def _columns(result: dict[str, Any]) -> list[tuple[str, str, str]]:
 def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
     fwd = row.get("forward") or {}
     value = row[key] if key in row else fwd.get(key)
+    if key == "first_time" and not value and row.get("dflash_first_time") and \
+            row.get("revisited_widths") == [1]:
+        return "dflash"  # --process-per-run: the baseline revisited single-token steps only
     if value is None:
         return "-"
     if fmt == "ms":
