@@ -27,6 +27,10 @@ arm is NAME:KEY=VALUE,...; the keys:
     rows=N      draft rows per greedy verify, 1..8 (engine/branches.py; DFLASH_BRANCHES's value
                 for one arm: the target loads with the most rows any arm asks for, and a target
                 whose verify attention cannot take rows is refused before any run)
+    mem=0|1     carry what each generation's verify window measured into the arm's next one
+                (a WindowMemory per arm, engine/window.py), as the daemon does from job to job
+                (daemon/compute.py); off: every generation starts from the built-in priors, as
+                every other in-process run
 Unset keys keep the loaded pair's defaults. `--baseline` adds mlx-lm's own decoding of the same
 model as an arm ("mlx-lm"), timed with the same clock (engine/bench/timing.py), so every arm's
 speedup comes out of the same interleaving. `--warmup` answers the first question by every arm
@@ -59,7 +63,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 BASELINE = "mlx-lm"
-KEYS = ("cut", "window", "copy", "wide", "conf", "gap", "fdecay", "fast", "fuse", "draft", "rows")
+KEYS = ("cut", "window", "copy", "wide", "conf", "gap", "fdecay", "fast", "fuse", "draft", "rows", "mem")
 WINDOW_KEYS = {"gap": "max_probe_gap", "fdecay": "full_decay"}  # arm key -> VerifyWindow argument
 ENV_NOTED = ("MLX_CUDA_USE_CUDNN_SDPA", "MLX_USE_CUDA_GRAPHS", "DFLASH_VERIFY_ATTN", "DFLASH_PIPELINE", "DFLASH_BRANCHES",
              "DFLASH_SHORT_BLOCK", "DFLASH_DRAFT_VOCAB", "DFLASH_WINDOW_WIDE", "DFLASH_WINDOW_CONFIDENCE",
@@ -71,6 +75,7 @@ class Arm:
     name: str
     settings: dict = field(default_factory=dict)
     drafter: Any = None  # None: the loaded pair's (see attach_drafters)
+    memory: Any = None  # mem=1: the WindowMemory its generations hand on, one to the next
 
 
 def parse_arm(spec: str) -> Arm:
@@ -106,7 +111,12 @@ def parse_arm(spec: str) -> Arm:
             settings[key] = value
         else:
             settings[key] = bool(_int(spec, value, 0, 1))
-    return Arm(name, settings)
+    arm = Arm(name, settings)
+    if settings.get("mem"):
+        from dflash.engine.window import WindowMemory
+
+        arm.memory = WindowMemory()
+    return arm
 
 
 def _int(spec: str, value: str, low: int, high: int | None = None) -> int:
@@ -199,7 +209,8 @@ def _generate(pair, arm: Arm | None, ids: list[int], max_tokens: int,
             generate_mod.VerifyWindow = functools.partial(VerifyWindow, **rule)
         out, rec = run_dflash(pair, drafter, ids, max_tokens,
                               window=arm.settings.get("window", "auto"),
-                              copy_draft=arm.settings.get("copy", True), teacher=teacher)
+                              copy_draft=arm.settings.get("copy", True), teacher=teacher,
+                              window_memory=arm.memory)
     finally:
         generate_mod.VerifyWindow = VerifyWindow
         cpufast.ON = fuse.ON = True

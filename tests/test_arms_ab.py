@@ -115,6 +115,20 @@ def test_a_gap_arm_sets_the_probe_gap_for_its_own_generations_only(pairs, monkey
     assert generate_mod.VerifyWindow is window_mod.VerifyWindow
 
 
+def test_a_mem_arm_hands_its_window_memory_from_generation_to_generation(pairs):
+    """mem=1: what one generation's window measured is the arm's next one's prior (the daemon's
+    way), in the arm's own WindowMemory; without it every generation starts from the priors."""
+    mod = _module()
+    pair = pairs("qwen3")
+    mem, fresh = mod.parse_arm("m:mem=1"), mod.parse_arm("f:mem=0")
+    assert fresh.memory is None and mem.memory is not None and mem.memory.p is None
+    ids = pair.tokenizer.encode("The quick brown fox jumps")
+    a, _ = mod._generate(pair, mem, ids, 24)
+    assert mem.memory.p is not None and mem.memory.d is not None  # measured, handed on
+    b, _ = mod._generate(pair, fresh, ids, 24)
+    assert a == b  # the output never depends on the window
+
+
 def test_teach_times_every_arm_on_mlx_lms_text(pairs, monkeypatch):
     """--teach: mlx-lm answers each prompt once, untimed, and every DFlash run decodes that text."""
     from dflash.engine.bench import timing

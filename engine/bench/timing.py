@@ -20,6 +20,7 @@ from ..drafters import DFlashDrafter, Drafter
 from ..generate import Finished, stream_dflash_generate
 from ..sampling import SamplingParams
 from ..target import TargetModel
+from ..window import WindowMemory
 from .setup import Setup
 
 FORWARD_WARMUP = 3  # untimed step/verify pairs before the timed ones in time_forward
@@ -93,9 +94,11 @@ def run_baseline(
 def run_dflash(
     setup: Setup, drafter: Drafter, ids: list[int], max_tokens: int, window: str = "auto",
     sampling: Sampling = GREEDY, copy_draft: bool = True, teacher: list[int] | None = None,
+    window_memory: WindowMemory | None = None,
 ) -> tuple[list[int], dict]:
     """stream_dflash_generate on the same prompt ids, timed with the baseline's clock
-    (`teacher`: a reference decoding's ids to decode, see stream_dflash_generate)."""
+    (`teacher`: a reference decoding's ids to decode; `window_memory`: what earlier runs'
+    verify windows measured, as the daemon hands it on; see stream_dflash_generate)."""
     mx.synchronize()
     final: Finished | None = None
     t0 = time.perf_counter()
@@ -103,7 +106,7 @@ def run_dflash(
         setup.target, drafter, setup.tokenizer, ids, max_tokens, verify_window=window,
         temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
         min_p=sampling.min_p, min_tokens_to_keep=sampling.min_tokens_to_keep,
-        seed=sampling.seed, copy_draft=copy_draft, teacher=teacher,
+        seed=sampling.seed, copy_draft=copy_draft, teacher=teacher, window_memory=window_memory,
     )
     for ev in gen:
         if isinstance(ev, Finished):
