@@ -129,8 +129,9 @@ class Compute:
         warm-up, docs/benchmark.md), and on an H100 the first request to a fresh daemon decoded
         at 31 tok/s against 213-560 for the ones after it (session 37). A whole-block greedy run
         (the GPU's draft rows included), a sampled one and plain steps, 4 tokens each on a short
-        prompt (1.3 s on a 2-core CPU for SmolLM2-135M in fp32); none of it is kept: no prefix cache, no window memory, no counters, no job. A failure here
-        is logged and the worker serves all the same."""
+        prompt (1.3 s on a 2-core CPU for SmolLM2-135M in fp32). None of it is kept: no prefix
+        cache, no window memory, no counters, no job. A failure here is logged and the worker
+        serves all the same."""
         from dflash.engine.generate import stream_dflash_generate
         from dflash.engine.rollback import plain_step_undoable
 

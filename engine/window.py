@@ -133,6 +133,7 @@ DEFAULT_COSTS = {"cpu": (CPU_VERIFY_COST, 0.2), "gpu": (0.035, 0.3)}
 WIDE_ENV = "DFLASH_WINDOW_WIDE"  # 1: the whole block or a plain step, measured; 0: the model's best k
 TRACE_ENV = "DFLASH_WINDOW_TRACE"  # a file: one JSON line per observed cycle (what the policy saw and chose)
 CONFIDENCE_ENV = "DFLASH_WINDOW_CONFIDENCE"  # 1: a drafted block's window re-chosen by its confidence
+RECALL_ENV = "DFLASH_WINDOW_RECALL_ACCEPTANCE"  # 1: a remembered acceptance seeds the next run too
 COPY_OVERHEAD = 0.05  # o's prior: a copy cycle has no draft pass, only a host-side lookup
 SHORT_D_PRIOR = 0.5  # d_short's prior, a share of d: a cut block's draft pass is ~half the whole's
 
@@ -280,13 +281,14 @@ class VerifyWindow:
             self.d_short = m.d_short
         if m.o is not None:
             self.o = m.o
-        if m.p is not None:
-            self.successes, self.failures = m.p * PRIOR_WEIGHT, (1.0 - m.p) * PRIOR_WEIGHT
-        if m.full_tokens is not None:
-            self._full_n, self._full_sum = PRIOR_WEIGHT, m.full_tokens * PRIOR_WEIGHT
-        if m.copy_p is not None:
-            w = self.copy.successes + self.copy.failures
-            self.copy.successes, self.copy.failures = m.copy_p * w, (1.0 - m.copy_p) * w
+        if recall_acceptance():  # the text's, not the machine's: off by default (see there)
+            if m.p is not None:
+                self.successes, self.failures = m.p * PRIOR_WEIGHT, (1.0 - m.p) * PRIOR_WEIGHT
+            if m.full_tokens is not None:
+                self._full_n, self._full_sum = PRIOR_WEIGHT, m.full_tokens * PRIOR_WEIGHT
+            if m.copy_p is not None:
+                w = self.copy.successes + self.copy.failures
+                self.copy.successes, self.copy.failures = m.copy_p * w, (1.0 - m.copy_p) * w
         self._best = self.best()
 
     def remember(self, m: WindowMemory) -> None:
@@ -502,6 +504,22 @@ def wide_windows() -> bool:
     """Whether "auto" chooses between the whole block and a plain step only (wide windows): on a
     GPU, unless DFLASH_WINDOW_WIDE says otherwise (1 or 0)."""
     return env_switch(WIDE_ENV, mx.default_device() == mx.gpu)
+
+
+def recall_acceptance() -> bool:
+    """Whether a WindowMemory's acceptances (p, full_tokens, copy_p) seed the next run's priors
+    beside its costs: DFLASH_WINDOW_RECALL_ACCEPTANCE=1 (off by default since session 37).
+
+    Costs (a draft or copy cycle's overhead in plain steps) belong to the machine and the pair,
+    and every job meets the same ones. Acceptance belongs to the text: the five chat questions
+    run 1.2-12.8 tokens a cycle with one draft, so one job's acceptance is a poor prior for the
+    next, and a low one sends an easy prompt into plain steps until a probe finds out. Measured
+    in one process on the 2-core CPU (`scripts/arms_ab.py --heldout 7 --rounds 2`, 24 pairs an
+    arm, against a fresh window every run): carrying everything 0.944x (0.905-0.985), 2.38 tokens
+    a cycle against 2.77; again, beside costs only: everything 0.976x (0.949-1.005), 2.63 tokens
+    a cycle, costs only 0.984x (0.956-1.012), 2.78, fresh 2.80. On an H100 the daemon, which
+    carried everything, ran 2.84-3.54 tokens a cycle where the same prompts in-process ran 3.58."""
+    return env_switch(RECALL_ENV, False)
 
 
 def confidence_windows() -> bool:

@@ -31,6 +31,8 @@ arm is NAME:KEY=VALUE,...; the keys:
                 (a WindowMemory per arm, engine/window.py), as the daemon does from job to job
                 (daemon/compute.py); off: every generation starts from the built-in priors, as
                 every other in-process run
+    recall=0|1  with mem=1: the remembered acceptances seed the next generation too, not only
+                the costs (DFLASH_WINDOW_RECALL_ACCEPTANCE; off by default since session 37)
 Unset keys keep the loaded pair's defaults. `--baseline` adds mlx-lm's own decoding of the same
 model as an arm ("mlx-lm"), timed with the same clock (engine/bench/timing.py), so every arm's
 speedup comes out of the same interleaving. `--warmup` answers the first question by every arm
@@ -63,10 +65,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 BASELINE = "mlx-lm"
-KEYS = ("cut", "window", "copy", "wide", "conf", "gap", "fdecay", "fast", "fuse", "draft", "rows", "mem")
+KEYS = ("cut", "window", "copy", "wide", "conf", "gap", "fdecay", "fast", "fuse", "draft", "rows", "mem",
+        "recall")
 WINDOW_KEYS = {"gap": "max_probe_gap", "fdecay": "full_decay"}  # arm key -> VerifyWindow argument
 ENV_NOTED = ("MLX_CUDA_USE_CUDNN_SDPA", "MLX_USE_CUDA_GRAPHS", "DFLASH_VERIFY_ATTN", "DFLASH_PIPELINE", "DFLASH_BRANCHES",
              "DFLASH_SHORT_BLOCK", "DFLASH_DRAFT_VOCAB", "DFLASH_WINDOW_WIDE", "DFLASH_WINDOW_CONFIDENCE",
+             "DFLASH_WINDOW_RECALL_ACCEPTANCE",
              "DFLASH_FUSE", "DFLASH_CPU_FAST", "DFLASH_ACCEL")
 
 
@@ -190,11 +194,11 @@ def _generate(pair, arm: Arm | None, ids: list[int], max_tokens: int,
 
     from dflash.engine import cpufast, fuse
     from dflash.engine import generate as generate_mod
-    from dflash.engine.window import CONFIDENCE_ENV, WIDE_ENV, VerifyWindow
+    from dflash.engine.window import CONFIDENCE_ENV, RECALL_ENV, WIDE_ENV, VerifyWindow
 
     drafter = arm.drafter or pair.drafter
-    envs = {key: name for key, name in (("wide", WIDE_ENV), ("conf", CONFIDENCE_ENV))
-            if key in arm.settings}
+    envs = {key: name for key, name in (("wide", WIDE_ENV), ("conf", CONFIDENCE_ENV),
+                                        ("recall", RECALL_ENV)) if key in arm.settings}
     saved, saved_env = drafter.short_max, {name: os.environ.get(name) for name in envs.values()}
     saved_rows = pair.target.branches
     try:

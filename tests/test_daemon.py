@@ -206,9 +206,12 @@ def test_cli_ctrl_c_cancels_the_job(daemon, client):
     assert client.stats()["jobs_cancelled"] == before + 1
 
 
-def test_a_job_starts_from_what_the_earlier_jobs_window_measured(make_daemon, tiny_pair):  # noqa: F811
-    """The worker keeps one WindowMemory per pair: its random draft (acceptance ~0) is tried at the
-    built-in prior by the first job only; the same request again drafts less, same ids."""
+def test_a_job_starts_from_what_the_earlier_jobs_window_measured(make_daemon, tiny_pair, monkeypatch):  # noqa: F811
+    """The worker keeps one WindowMemory per pair. With the acceptance recalled too (the opt-in
+    DFLASH_WINDOW_RECALL_ACCEPTANCE=1; by default only the costs, engine/window.py) its random
+    draft (acceptance ~0) is tried at the built-in prior by the first job only; the same
+    request again drafts less, same ids."""
+    monkeypatch.setenv("DFLASH_WINDOW_RECALL_ACCEPTANCE", "1")  # the worker inherits it
     d = make_daemon()
     with d.client(timeout=30) as c:
         runs = [c.generate(PROMPTS[1], max_tokens=40) for _ in range(2)]
@@ -234,9 +237,11 @@ def test_the_worker_warms_up_before_its_first_job_and_keeps_nothing_of_it(make_d
     assert "warmed up" not in cold.logs() and "warm-up failed" not in d.logs() + cold.logs()
 
 
-def test_what_the_window_measured_survives_a_worker_restart(make_daemon, tiny_pair):  # noqa: F811
+def test_what_the_window_measured_survives_a_worker_restart(make_daemon, tiny_pair, monkeypatch):  # noqa: F811
     """<state_dir>/window_memory.json (daemon/windowstore.py): a new worker of the same pair starts
-    from what the last one measured, so the first job after a restart does not explore again."""
+    from what the last one measured (with the acceptance recalled too, the opt-in, the first job
+    after a restart does not explore again)."""
+    monkeypatch.setenv("DFLASH_WINDOW_RECALL_ACCEPTANCE", "1")  # the workers inherit it
     d = make_daemon()
     with d.client(timeout=60) as c:
         first = c.generate(PROMPTS[1], max_tokens=40)

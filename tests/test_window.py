@@ -213,9 +213,12 @@ def test_a_two_token_copy_that_costs_a_plain_step_is_taken_unless_its_overhead_s
     assert w.plan(15) == (1, False)
 
 
-def test_a_remembered_window_starts_where_the_last_generation_ended() -> None:
-    from dflash.engine.window import WindowMemory
+def test_a_remembered_window_starts_where_the_last_generation_ended(monkeypatch) -> None:
+    """With DFLASH_WINDOW_RECALL_ACCEPTANCE=1 (opt-in since session 37) the remembered acceptance
+    seeds the next run; by default only the costs do (see the next test)."""
+    from dflash.engine.window import RECALL_ENV, WindowMemory
 
+    monkeypatch.setenv(RECALL_ENV, "1")
     mem = WindowMemory()
     first = VerifyWindow(16, "auto", memory=mem)
     assert first.next() > 1  # no memory: the built-in prior (p = 0.8) drafts at once
@@ -234,9 +237,27 @@ def test_a_remembered_window_starts_where_the_last_generation_ended() -> None:
     assert before == WindowMemory()  # a pinned window measures nothing to hand on
 
 
-def test_generations_sharing_a_memory_explore_less_and_stay_lossless(pairs) -> None:
-    from dflash.engine.window import WindowMemory
+def test_a_remembered_window_starts_from_the_costs_only_by_default(monkeypatch) -> None:
+    """A WindowMemory's costs are the machine's and seed every run; its acceptances are the
+    last text's and do not (engine/window.py, recall_acceptance): a run after one whose drafts
+    all failed still opens at the built-in prior, with the measured draft cost."""
+    from dflash.engine.window import RECALL_ENV, WindowMemory
 
+    monkeypatch.delenv(RECALL_ENV, raising=False)
+    mem = WindowMemory()
+    first = VerifyWindow(16, "auto", memory=mem)
+    _run(first, 40, lambda k: 0, draft_cost=2.5)
+    first.remember(mem)
+    assert mem.p is not None and mem.p < 0.5 and mem.d is not None and mem.d > 0.5  # still kept
+    again = VerifyWindow(16, "auto", memory=mem)
+    assert again.d == mem.d and again.p == pytest.approx(0.8)  # the cost, not the acceptance
+    assert again.next() > 1  # drafts at once, as a fresh window does
+
+
+def test_generations_sharing_a_memory_explore_less_and_stay_lossless(pairs, monkeypatch) -> None:
+    from dflash.engine.window import RECALL_ENV, WindowMemory
+
+    monkeypatch.setenv(RECALL_ENV, "1")  # the opt-in: a remembered acceptance seeds the next run
     pair = pairs("qwen3")  # its random 1-layer draft: acceptance ~0
     ids = pair.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
     ref = greedy_reference(pair.target.model, ids, 48)
@@ -252,10 +273,12 @@ def test_generations_sharing_a_memory_explore_less_and_stay_lossless(pairs) -> N
     assert mem.p is not None and drafts[1] < drafts[0], drafts
 
 
-def test_cut_block_windows_measure_their_own_overhead() -> None:
+def test_cut_block_windows_measure_their_own_overhead(monkeypatch) -> None:
     """Windows up to short_max draft from a cut block: their overhead (d_short) is measured apart
     from whole blocks' (d), so a cheap 2-row pass is not averaged with a 16-row one; both carry
     over through WindowMemory."""
+    # priors set through a WindowMemory's acceptance: the opt-in recall
+    monkeypatch.setenv("DFLASH_WINDOW_RECALL_ACCEPTANCE", "1")
     from dflash.engine.window import WindowMemory
 
     w = VerifyWindow(16, "auto", short_max=2)
@@ -304,10 +327,12 @@ def _cpu_like(w: VerifyWindow, tokens: int, p: float, seed: int = 0) -> dict:
     return {"plain": plain, "cycles": cycles, "d_short": w.d_short, "p": w.p}
 
 
-def test_a_probe_after_plain_steps_is_timed_on_its_second_cycle() -> None:
+def test_a_probe_after_plain_steps_is_timed_on_its_second_cycle(monkeypatch) -> None:
     """Plain steps run one ahead and leave the draft's context behind, so the first draft cycle
     after them pays for the stretch as well: it is not timed, and a probe (rate < 1) drafts one
     more cycle, the one that measures d_short, which then caps the probe gap (_gap_cap)."""
+    # priors set through a WindowMemory's acceptance: the opt-in recall
+    monkeypatch.setenv("DFLASH_WINDOW_RECALL_ACCEPTANCE", "1")
     from dflash.engine.window import WindowMemory
 
     w = VerifyWindow(16, "auto", short_max=2, memory=WindowMemory(p=0.2, d=0.5, d_short=0.6))
@@ -384,7 +409,10 @@ def test_wide_windows_verify_the_whole_block_whenever_it_pays(monkeypatch) -> No
 def test_wide_windows_follow_the_measured_whole_block_rate_and_recover(monkeypatch) -> None:
     """Wide: the whole block while what its cycles emit pays for them, plain steps (probing with
     the whole block) once it stops, the whole block again when the text turns predictable; the
-    measured tokens per whole-block cycle carry to the next generation."""
+    measured tokens per whole-block cycle carry to the next generation (with the opt-in
+    DFLASH_WINDOW_RECALL_ACCEPTANCE=1)."""
+    # priors set through a WindowMemory's acceptance: the opt-in recall
+    monkeypatch.setenv("DFLASH_WINDOW_RECALL_ACCEPTANCE", "1")
     from dflash.engine.window import WindowMemory
 
     monkeypatch.setenv("DFLASH_VERIFY_COST", "0.035,0.3")

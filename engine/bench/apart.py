@@ -69,8 +69,10 @@ def run_child(cfg: BenchConfig) -> dict:
     if rc != 0:
         raise KeyboardInterrupt if rc == 130 else ChildFailed(
             f"the benchmark process for {cfg.label} exited with status {rc}")
-    (path,) = sorted(Path(cfg.out).glob("*.json"))
-    return json.loads(path.read_text())
+    found = sorted(Path(cfg.out).glob("*.json"))
+    if len(found) != 1:
+        raise ChildFailed(f"the benchmark process for {cfg.label} wrote {len(found)} results, not one")
+    return json.loads(found[0].read_text())
 
 
 def merge(cfg: BenchConfig, children: list[tuple[int, int, dict]], interrupted: bool) -> dict:
@@ -108,7 +110,6 @@ def merge(cfg: BenchConfig, children: list[tuple[int, int, dict]], interrupted: 
         processes=len(children),
         first_time_lengths=True,
         first_time_verified=all(x.get("first_time") for x in dfl_runs),
-        dflash_first_time_verified=all(x.get("first_time") for x in dfl_runs),
         revisited_runs=sum(1 for x in runs if not x.get("first_time")),
         revisited_widths=sorted({w for x in runs for w in x["shapes"]["revisited_widths"]}),
         repeats=cfg.repeats,
@@ -137,6 +138,7 @@ def run_apart(cfg: BenchConfig, questions: list[str], log: Log) -> tuple[dict, P
         except (KeyboardInterrupt, ChildFailed) as e:
             stopped = e
             if not children:
+                log("== stopped before any process finished: nothing written")
                 raise
     result = merge(cfg, children, stopped is not None)
     path = _write(result, cfg, result["model"])
