@@ -511,14 +511,15 @@ def recall_acceptance() -> bool:
     beside its costs: DFLASH_WINDOW_RECALL_ACCEPTANCE=1 (off by default since session 37).
 
     Costs (a draft or copy cycle's overhead in plain steps) belong to the machine and the pair,
-    and every job meets the same ones. Acceptance belongs to the text: the five chat questions
-    run 1.2-12.8 tokens a cycle with one draft, so one job's acceptance is a poor prior for the
-    next, and a low one sends an easy prompt into plain steps until a probe finds out. Measured
-    in one process on the 2-core CPU (`scripts/arms_ab.py --heldout 7 --rounds 2`, 24 pairs an
-    arm, against a fresh window every run): carrying everything 0.944x (0.905-0.985), 2.38 tokens
-    a cycle against 2.77; again, beside costs only: everything 0.976x (0.949-1.005), 2.63 tokens
-    a cycle, costs only 0.984x (0.956-1.012), 2.78, fresh 2.80. On an H100 the daemon, which
-    carried everything, ran 2.84-3.54 tokens a cycle where the same prompts in-process ran 3.58."""
+    and every job meets the same ones. Acceptance belongs to the text: with the same draft the
+    five chat questions run 1.3-9.8 tokens a cycle on the CPU, so one job's acceptance is a poor
+    prior for the next, and a low one sends an easy prompt into plain steps until a probe finds
+    out. Measured in one process on the 2-core CPU (`scripts/arms_ab.py --heldout 7 --rounds 2`,
+    24 pairs an arm, against a fresh window every run): carrying everything 0.944x (0.905-0.985),
+    2.38 tokens a cycle against 2.77; again, beside costs only: everything 0.976x (0.949-1.005),
+    2.63 tokens a cycle, costs only 0.984x (0.956-1.012), 2.78, fresh 2.80. On an H100 the
+    daemon, which carried everything, ran 2.84-3.54 tokens a cycle where the same prompts
+    in-process ran 3.58."""
     return env_switch(RECALL_ENV, False)
 
 
