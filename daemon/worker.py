@@ -507,7 +507,7 @@ class Worker:
             "pid": os.getpid(),
             # "ready" once loaded and warmed up (Compute._warm_up): from then on a job runs at speed
             "state": ("failed" if self.compute.load_error
-                      else "ready" if self.compute.pair and self.compute.ready.is_set() else "loading"),
+                      else "ready" if self.compute.ready.is_set() else "loading"),
             "error": self.compute.load_error,
             "uptime_s": round(time.time() - self.started, 3),
             "endpoint": self.endpoint,

@@ -24,7 +24,6 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from .results import _write
 from .rows import _in_order, summarize
 from .setup import BenchConfig
 
@@ -123,8 +122,6 @@ def merge(cfg: BenchConfig, children: list[tuple[int, int, dict]], interrupted: 
 
 def run_apart(cfg: BenchConfig, questions: list[str], log: Log) -> tuple[dict, Path]:
     """Every (repeat, question) in a child process; the merged result written to --out."""
-    from .plot import format_table, plot
-
     children: list[tuple[int, int, dict]] = []
     stopped: BaseException | None = None  # Ctrl-C or a failed child: what finished is written
     with tempfile.TemporaryDirectory(prefix="dflash-apart-") as tmp:
@@ -140,19 +137,16 @@ def run_apart(cfg: BenchConfig, questions: list[str], log: Log) -> tuple[dict, P
             if not children:
                 log("== stopped before any process finished: nothing written")
                 raise
+    from .run import Interrupted, publish
+
     result = merge(cfg, children, stopped is not None)
-    path = _write(result, cfg, result["model"])
-    if result["summary"]:
-        log(format_table(result))
-    log(f"== results: {path}")
+    note = (f"== stopped: {len(children)} of {len(plan)} process(es) finished"
+            if stopped is not None else None)
+    path = publish(result, cfg, result["model"], log, note)
     if isinstance(stopped, ChildFailed):
         raise ValueError(f"{stopped}; the {len(children)} finished process(es) are in {path}")
     if stopped is not None:
-        from .run import Interrupted
-
         raise Interrupted(path)
-    if cfg.plot:
-        log(f"== plot: {plot(result, path.with_suffix('.png'))}")
     return result, path
 
 

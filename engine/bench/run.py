@@ -109,20 +109,29 @@ def _run_benchmark(cfg: BenchConfig, log: Log, text: str | None) -> tuple[dict, 
         log("== interrupted (Ctrl-C) before any timed run finished: nothing written")
         raise KeyboardInterrupt
     result = _result(cfg, setup, mode_line, runs, summary, fresh, interrupted)
-    path = _write(result, cfg, setup.name)
-    from .plot import format_table, plot
-
-    if summary:
-        log(format_table(result))
-    if interrupted:
-        log(f"== interrupted (Ctrl-C): {len(summary)} finished row(s), {len(runs)} timed run(s) kept")
-    log(f"== results: {path}")
+    stopped = (f"== interrupted (Ctrl-C): {len(summary)} finished row(s), {len(runs)} timed run(s) "
+               "kept") if interrupted else None
+    path = publish(result, cfg, setup.name, log, stopped)
     if interrupted:
         raise Interrupted(path)
-    if cfg.plot:
-        note = plot(result, path.with_suffix(".png"))
-        log(f"== plot: {note}")
     return result, path
+
+
+def publish(result: dict, cfg: BenchConfig, name: str, log: Log, stopped: str | None = None) -> Path:
+    """Write the result, print its table and path, and draw its plot unless the runs were
+    stopped (`stopped`: the line that says so); the one ending of every benchmark, in one
+    process or merged from several (apart.py)."""
+    from .plot import format_table, plot
+
+    path = _write(result, cfg, name)
+    if result["summary"]:
+        log(format_table(result))
+    if stopped:
+        log(stopped)
+    log(f"== results: {path}")
+    if not stopped and cfg.plot:
+        log(f"== plot: {plot(result, path.with_suffix('.png'))}")
+    return path
 
 
 def _run_rows(bench: Bench, fresh: bool, runs: list[dict], summary: list[dict]) -> None:
