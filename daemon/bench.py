@@ -1,7 +1,7 @@
 """Benchmark (not a test): tokens/s and time to first token through the daemon vs in-process.
 
     python -m dflash.daemon.bench --model DIR --draft DIR --out FILE.json
-        [--variants inproc,daemon]   (also: thread, daemon-nocache)
+        [--variants inproc,daemon]   (also: thread, daemon-nocache; a name given twice runs twice)
 
 Same pair, same prompts, same greedy settings, same BLAS choice (this process re-executes itself
 with MKL preloaded when the worker would). In-process timings are taken around
@@ -12,7 +12,9 @@ Where a gap comes from, variant by variant: `thread` runs the in-process loop on
 own that loads the pair itself, as the worker's MLX thread does; `daemon-nocache` starts the
 daemon without its prefix cache (no snapshots, no cache process). Every run also records the
 engine's own decode clock (`engine_decode_tps`, inside the worker for the daemon) and tokens a
-cycle, so a slower engine and a slower delivery read apart.
+cycle, so a slower engine and a slower delivery read apart. Naming a variant twice
+(`inproc,daemon,inproc,daemon`) interleaves them against the host's drift: `passes` keeps each
+pass apart in run order, `variants` pools a variant's passes.
 """
 
 from __future__ import annotations
@@ -161,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     variants += [v for v in ("inproc", "daemon") if v not in variants]
     accel.maybe_reexec(args.blas, module="dflash.daemon.bench")  # same BLAS as the worker gets
 
-    measured: dict[str, dict] = {}
+    passes: list[dict] = []  # in run order; a variant named twice (interleaved) runs twice
+    pooled: dict[str, list[dict]] = {}
     stats: dict = {}
     for v in variants:
         if v == "inproc":
@@ -172,9 +175,13 @@ def main(argv: list[str] | None = None) -> int:
             runs, st = bench_daemon(args.model, args.draft, args.max_tokens, args.repeats, args.blas,
                                     cache=v == "daemon")
             stats = st if v == "daemon" else stats
-        measured[v] = _summary(runs) | {"all": runs}
+        n = sum(p["variant"] == v for p in passes) + 1
+        passes.append({"variant": v, "pass": n} | _summary(runs))
+        pooled.setdefault(v, []).extend(r | {"pass": n} for r in runs)
         print(f"{v}: {json.dumps(_summary(runs))}", flush=True)
-    summaries = {v: {k: x for k, x in m.items() if k != "all"} for v, m in measured.items()}
+    # each variant's medians over all its passes; `passes` keeps every pass apart, in order
+    summaries = {v: _summary(runs) | {"passes": sum(p["variant"] == v for p in passes)}
+                 for v, runs in pooled.items()}
     inproc, daemon = summaries["inproc"], summaries["daemon"]
     result = {
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
@@ -189,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         "e2e_tps_ratio": round(daemon["e2e_tps"] / max(inproc["e2e_tps"], 1e-9), 3),
         "worker_accel": stats.get("accel"),
         "variants": summaries,
-        "runs": {v: m["all"] for v, m in measured.items()},
+        "passes": passes,
+        "runs": pooled,
     }
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps({k: x for k, x in result.items() if k != "runs"}, indent=2))

@@ -22,18 +22,24 @@ def test_daemon_bench_variants(tiny_dirs, tmp_path: Path) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "dflash.daemon.bench", "--model", str(target), "--draft",
          str(target / "draft"), "--out", str(out), "--max-tokens", "8", "--repeats", "1",
-         "--variants", "thread,daemon-nocache", "--blas", "none"],
+         "--variants", "inproc,thread,daemon-nocache,inproc", "--blas", "none"],
         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     data = json.loads(out.read_text())
-    # the asked-for variants in order, then the two always run
-    assert list(data["variants"]) == ["thread", "daemon-nocache", "inproc", "daemon"]
+    # the asked-for variants in order (a name given twice runs twice), then daemon, always run
+    assert [(p["variant"], p["pass"]) for p in data["passes"]] == [
+        ("inproc", 1), ("thread", 1), ("daemon-nocache", 1), ("inproc", 2), ("daemon", 1)]
+    assert list(data["variants"]) == ["inproc", "thread", "daemon-nocache", "daemon"]
+    for p in data["passes"]:
+        assert p["runs"] == len(bench.PROMPTS)  # one repeat of every prompt (warm-up dropped)
     for name, runs in data["runs"].items():
-        assert len(runs) == len(bench.PROMPTS), name  # one repeat of every prompt (warm-up dropped)
+        passes = data["variants"][name]["passes"]
+        assert passes == (2 if name == "inproc" else 1)
+        assert len(runs) == passes * len(bench.PROMPTS) == data["variants"][name]["runs"], name
+        assert sorted({r["pass"] for r in runs}) == list(range(1, passes + 1))
         for run in runs:
             assert run["tokens"] >= 1 and run["engine_decode_tps"] is not None
             assert run["tokens_per_cycle"] >= 1.0
-        assert data["variants"][name]["runs"] == len(bench.PROMPTS)
     assert data["in_process"] == data["variants"]["inproc"] and data["daemon"] == data["variants"]["daemon"]
     assert data["decode_tps_ratio"] > 0
 
