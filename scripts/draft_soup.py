@@ -1,0 +1,78 @@
+"""Average drafts' weights (a "soup"): one training lever that costs no device time.
+
+    python scripts/draft_soup.py OUT DRAFT DRAFT [DRAFT ...] [--weights 0.5,0.5]
+
+The drafts must share a config (same shapes); the usual case is checkpoints along one training
+line (the bundled draft and the campaign runs that continued it), where the average sits on
+the segment between them. The mean is taken in fp32 and written in the first draft's dtype,
+as a checkpoint folder (engine/training/checkpoint.write_parts) with the first draft's
+config.json and draft_vocab.json; soup.json records the sources. It has no trainer.json: a
+soup carries no step, schedule or moments to resume, so training from it starts anew.
+
+Session 38 (2-core CPU, fp32, `DFLASH_DRAFT_VOCAB=full dflash eval-draft --max-tokens 128`):
+the bundled draft and session 35's averaged 62.2% / 2.65 (session 35's own 62.1% / 2.65),
+with session 36's too 62.5% / 2.67; benchmark/training/campaign/session38/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from dflash.engine.training.checkpoint import load_draft_any, write_parts
+
+
+def soup(folders: list[Path], weights: list[float]) -> dict[str, mx.array]:
+    """The weighted mean of the drafts' parameters (fp32 sums, the first draft's dtypes)."""
+    if len(folders) != len(weights) or len(folders) < 2:
+        raise ValueError("give two or more drafts and one weight each")
+    if abs(sum(weights) - 1.0) > 1e-6 or min(weights) < 0:
+        raise ValueError(f"weights must be >= 0 and sum to 1, got {weights}")
+    configs = [json.loads((f / "config.json").read_text()) for f in folders]
+    if any(c != configs[0] for c in configs[1:]):
+        raise ValueError("the drafts' config.json differ: only drafts of one shape can be averaged")
+    params = [dict(tree_flatten(load_draft_any(f).parameters())) for f in folders]
+    out = {}
+    for name, first in params[0].items():
+        total = sum(w * p[name].astype(mx.float32) for w, p in zip(weights, params))
+        out[name] = total.astype(first.dtype)
+    mx.eval(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python scripts/draft_soup.py", description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("drafts", nargs="+")
+    ap.add_argument("--weights", default=None, help="comma-separated, summing to 1 (default: equal)")
+    args = ap.parse_args(argv)
+    folders = [Path(d) for d in args.drafts]
+    weights = ([float(x) for x in args.weights.split(",")] if args.weights
+               else [1.0 / len(folders)] * len(folders))
+    out = Path(args.out)
+    if out.exists():
+        ap.error(f"{out} exists; give a new folder")
+    try:
+        averaged = soup(folders, weights)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"draft_soup: {e}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True)
+    write_parts(averaged, out)
+    shutil.copy(folders[0] / "config.json", out / "config.json")
+    if (folders[0] / "draft_vocab.json").is_file():
+        shutil.copy(folders[0] / "draft_vocab.json", out / "draft_vocab.json")
+    (out / "soup.json").write_text(json.dumps(
+        {"soup": [{"draft": str(f), "weight": w} for f, w in zip(folders, weights)]}, indent=1) + "\n")
+    print(f"{out}: the mean of {len(folders)} drafts ({', '.join(f'{w:g}' for w in weights)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

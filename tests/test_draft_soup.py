@@ -1,0 +1,70 @@
+"""scripts/draft_soup.py: the weighted mean of drafts' weights, a loadable draft, refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from dflash.engine.training.checkpoint import load_draft_any, write_parts
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts/draft_soup.py"
+
+
+def _params(folder: Path) -> dict[str, mx.array]:
+    return dict(tree_flatten(load_draft_any(folder).parameters()))
+
+
+def _shifted(src: Path, dst: Path, by: float) -> None:
+    """A copy of the draft at src with every weight moved by `by` (another point on a 'line')."""
+    dst.mkdir()
+    shutil.copy(src / "config.json", dst / "config.json")
+    write_parts({k: v + by for k, v in _params(src).items()}, dst)
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_soup_is_the_weighted_mean_and_loads(tiny_dirs, tmp_path: Path) -> None:
+    a = tiny_dirs["llama"] / "draft"
+    b = tmp_path / "b"
+    _shifted(a, b, 0.5)
+    out = tmp_path / "soup"
+    res = _run(str(out), str(a), str(b), "--weights", "0.75,0.25")
+    assert res.returncode == 0, res.stderr
+    pa, pb, ps = _params(a), _params(b), _params(out)
+    assert set(ps) == set(pa)
+    for name, v in ps.items():
+        want = 0.75 * pa[name].astype(mx.float32) + 0.25 * pb[name].astype(mx.float32)
+        assert v.dtype == pa[name].dtype
+        assert mx.allclose(v.astype(mx.float32), want, atol=1e-5).item(), name
+    assert json.loads((out / "config.json").read_text()) == json.loads((a / "config.json").read_text())
+    sources = json.loads((out / "soup.json").read_text())["soup"]
+    assert [s["weight"] for s in sources] == [0.75, 0.25]
+    assert not (out / "trainer.json").exists()  # no step to resume from
+    # equal weights by default
+    res = _run(str(tmp_path / "even"), str(a), str(b))
+    assert res.returncode == 0, res.stderr
+    name = next(iter(pa))
+    assert mx.allclose(_params(tmp_path / "even")[name], (pa[name] + pb[name]) / 2, atol=1e-5).item()
+
+
+def test_soup_refuses_drafts_of_other_shapes_and_bad_weights(tiny_dirs, tmp_path: Path) -> None:
+    a = tiny_dirs["llama"] / "draft"
+    other = tiny_dirs["qwen3"] / "draft"
+    res = _run(str(tmp_path / "x"), str(a), str(other))
+    assert res.returncode == 2 and "config.json differ" in res.stderr
+    assert not (tmp_path / "x").exists()
+    res = _run(str(tmp_path / "y"), str(a), str(a), "--weights", "0.9,0.3")
+    assert res.returncode == 2 and "sum to 1" in res.stderr
+    res = _run(str(tmp_path / "z"), str(a))
+    assert res.returncode == 2 and "two or more drafts" in res.stderr
+    res = _run(str(a), str(a), str(a))  # never writes over an existing folder
+    assert res.returncode == 2 and "exists" in res.stderr
