@@ -17,13 +17,14 @@ from dflash.daemon.config import DaemonConfig
 
 from . import errors as E
 from .client import (
+    SEND,
     Delta,
     Result,
-    answers,
     client_config,
     client_timings,
     closed_error,
     connect,
+    exchange_plan,
     finished,
     int_list,
     look_timeout,
@@ -34,10 +35,8 @@ from .client import (
     seconds,
     sendable,
     setup_curve,
-    unavailable,
     waited_too_long,
     worker_gone,
-    working_on,
 )
 
 
@@ -98,27 +97,22 @@ class AsyncDFlashClient:
     async def _exchange(self, sock: zmq.asyncio.Socket, msg: Any, timeout: float | None,
                         beats: bool = False) -> P.Reply:
         """As DFlashClient._exchange: re-send until answered; with `beats`, once heartbeats for
-        it come, wait as long as they do instead."""
+        it come, wait as long as they do instead (exchange_plan, the one rule for both)."""
         msg.rid = next(self._rids)
         frame = codec.encode(msg)
         sendable(frame, self._cfg)
         end = time.monotonic() + (self.timeout if timeout is None else timeout)
-        beating = False
-        while True:
-            if not beating:
-                await sock.send(frame)
-            retry_at = min(end, time.monotonic() + self.retry_interval)
-            while (left := retry_at - time.monotonic()) > 0:
-                reply = await self._recv(sock, left)
-                if answers(reply, msg.rid):
-                    if isinstance(reply, P.Error):
-                        raise E.from_reply(reply)
-                    return reply
-                if beats and working_on(reply, msg.rid):
-                    beating, end = True, time.monotonic() + self.heartbeat_timeout
-                    retry_at = end
-            if time.monotonic() >= end:
-                raise worker_gone(self.endpoint, self.heartbeat_timeout, "") if beating else unavailable(self.endpoint)
+        plan = exchange_plan(msg.rid, end, self.retry_interval, self.heartbeat_timeout, beats, self.endpoint)
+        try:
+            step = next(plan)
+            while True:
+                if step is SEND:
+                    await sock.send(frame)
+                    step = next(plan)
+                else:
+                    step = plan.send(await self._recv(sock, step))
+        except StopIteration as done:
+            return done.value
 
     async def _call(self, msg: Any, timeout: float | None = None, beats: bool = False) -> P.Reply:
         sock = self._socket()

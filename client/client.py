@@ -330,6 +330,36 @@ def answers(reply: P.Reply | None, rid: int) -> bool:
     return reply.rid == rid or (isinstance(reply, P.Error) and reply.rid == 0)
 
 
+SEND = object()  # exchange_plan's step: send the request's frame now
+
+
+def exchange_plan(rid: int, end: float, retry_interval: float, heartbeat_timeout: float,
+                  beats: bool, endpoint: str) -> Iterator[Any]:
+    """One request's exchange rule, without I/O, for the sync and the async client alike.
+
+    Yields SEND (send the frame now) or a number of seconds (wait up to that long for a reply
+    and send back what came, or None); returns the answer or raises. The frame is re-sent
+    every retry_interval until `end`; with `beats`, once heartbeats for the request come (a
+    request the worker answers later: cache_clear), re-sending stops and the wait lasts as
+    long as they do. A submit's heartbeats follow its answer."""
+    beating = False
+    while True:
+        if not beating:
+            yield SEND
+        retry_at = min(end, time.monotonic() + retry_interval)
+        while (left := retry_at - time.monotonic()) > 0:
+            reply = yield left
+            if answers(reply, rid):
+                if isinstance(reply, P.Error):
+                    raise E.from_reply(reply)
+                return reply
+            if beats and working_on(reply, rid):
+                beating, end = True, time.monotonic() + heartbeat_timeout
+                retry_at = end
+        if time.monotonic() >= end:
+            raise worker_gone(endpoint, heartbeat_timeout, "") if beating else unavailable(endpoint)
+
+
 class DFlashClient:
     """Sync client. `timeout`: how long to wait for the worker to answer a request (it may be
     starting or restarting); `heartbeat_timeout`: silence that means the worker died mid-job.
@@ -387,29 +417,22 @@ class DFlashClient:
             raise reply_error(e, self.endpoint) from None
 
     def _exchange(self, sock: zmq.Socket, msg: Any, timeout: float | None, beats: bool = False) -> P.Reply:
-        """Send (and re-send every retry_interval) until a reply to this rid arrives. `beats`: a
-        request the worker answers later (cache_clear); once heartbeats for it come, stop
-        re-sending and wait as long as they do. (A submit's heartbeats follow its answer.)"""
+        """Send (and re-send) until a reply to this rid arrives, by exchange_plan's rule."""
         msg.rid = self._next_rid()
         frame = codec.encode(msg)
         sendable(frame, self._cfg)
         end = time.monotonic() + (self.timeout if timeout is None else timeout)
-        beating = False
-        while True:
-            if not beating:
-                sock.send(frame)
-            retry_at = min(end, time.monotonic() + self.retry_interval)
-            while (left := retry_at - time.monotonic()) > 0:
-                reply = self._recv(sock, left)
-                if answers(reply, msg.rid):
-                    if isinstance(reply, P.Error):
-                        raise E.from_reply(reply)
-                    return reply
-                if beats and working_on(reply, msg.rid):
-                    beating, end = True, time.monotonic() + self.heartbeat_timeout
-                    retry_at = end
-            if time.monotonic() >= end:
-                raise worker_gone(self.endpoint, self.heartbeat_timeout, "") if beating else unavailable(self.endpoint)
+        plan = exchange_plan(msg.rid, end, self.retry_interval, self.heartbeat_timeout, beats, self.endpoint)
+        try:
+            step = next(plan)
+            while True:
+                if step is SEND:
+                    sock.send(frame)
+                    step = next(plan)
+                else:
+                    step = plan.send(self._recv(sock, step))
+        except StopIteration as done:
+            return done.value
 
     def _call(self, msg: Any, timeout: float | None = None, beats: bool = False) -> P.Reply:
         sock = self._socket()
