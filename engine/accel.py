@@ -195,6 +195,27 @@ _CHOSEN: str | None = None  # maybe_reexec's choice when it did not re-execute (
 def _describe() -> str:
     if sys.platform == "darwin":
         return "metal (Apple silicon)" if platform.machine() == "arm64" else "macOS CPU"
+    return linux_text(*_gpu())
+
+
+def _gpu() -> tuple[bool, str]:
+    """Whether MLX runs on a GPU here (its CUDA backend), and the GPU's name. Asked only when
+    describing, after any re-exec, so importing MLX here is harmless."""
+    import mlx.core as mx
+
+    if mx.default_device().type != mx.gpu:
+        return False, ""
+    try:
+        return True, str(mx.device_info().get("device_name", ""))
+    except (AttributeError, RuntimeError):
+        return True, ""
+
+
+def linux_text(on_gpu: bool, gpu_name: str) -> str:
+    """Without MKL preloaded: on a CUDA GPU the model runs there and the CPU's BLAS is beside
+    the point, so no advice to install MKL (a GPU daemon's status said so until session 38)."""
+    if on_gpu:
+        return f"MLX-CUDA on {gpu_name or 'a GPU'}"
     return f"default BLAS ({platform.machine()}; mkl not installed: pip install 'dflash[fastcpu]')"
 
 

@@ -60,6 +60,15 @@ def test_describe_reports_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert accel.describe().endswith(f"{accel.CUDNN_SDPA}=1 (set by user)")
 
 
+def test_describe_names_a_cuda_gpu_instead_of_advising_mkl() -> None:
+    """A GPU worker without MKL said "mkl not installed: pip install ..." (an H100's dflashd
+    status, session 38): on a GPU the CPU's BLAS does not matter, so it names the GPU."""
+    assert accel.linux_text(True, "NVIDIA H100 80GB HBM3") == "MLX-CUDA on NVIDIA H100 80GB HBM3"
+    assert accel.linux_text(True, "") == "MLX-CUDA on a GPU"
+    assert "pip install 'dflash[fastcpu]'" in accel.linux_text(False, "")
+    assert "mkl" not in accel.linux_text(True, "x")
+
+
 def _run(code: str, env: dict[str, str], cwd: Path, module: str | None = None) -> str:
     args = ["-m", module] if module else ["-c", code]
     out = subprocess.run([sys.executable, *args], env=env, cwd=cwd, capture_output=True,
