@@ -54,6 +54,11 @@ def test_soup_is_the_weighted_mean_and_loads(tiny_dirs, tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     name = next(iter(pa))
     assert mx.allclose(_params(tmp_path / "even")[name], (pa[name] + pb[name]) / 2, atol=1e-5).item()
+    # a negative weight extrapolates along the line: -1,2 lands as far past b as b is from a
+    res = _run(str(tmp_path / "past"), str(a), str(b), "--weights=-1,2")
+    assert res.returncode == 0, res.stderr
+    assert mx.allclose(_params(tmp_path / "past")[name].astype(mx.float32),
+                       pb[name].astype(mx.float32) + 0.5, atol=1e-2).item()
 
 
 def test_soup_refuses_drafts_of_other_shapes_and_bad_weights(tiny_dirs, tmp_path: Path) -> None:
@@ -62,8 +67,8 @@ def test_soup_refuses_drafts_of_other_shapes_and_bad_weights(tiny_dirs, tmp_path
     res = _run(str(tmp_path / "x"), str(a), str(other))
     assert res.returncode == 2 and "config.json differ" in res.stderr
     assert not (tmp_path / "x").exists()
-    res = _run(str(tmp_path / "y"), str(a), str(a), "--weights", "0.9,-0.3")
-    assert res.returncode == 2 and "weights must be >= 0" in res.stderr
+    res = _run(str(tmp_path / "y"), str(a), str(a), "--weights", "0.3,-0.3")
+    assert res.returncode == 2 and "sum to more than 0" in res.stderr
     res = _run(str(tmp_path / "z"), str(a))
     assert res.returncode == 2 and "two or more drafts" in res.stderr
     res = _run(str(a), str(a), str(a))  # never writes over an existing folder
