@@ -59,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
                                                     "(--weights=-0.5,1.5: half the way from D1 to D2 again past D2)")
     args = ap.parse_args(argv)
     folders = [Path(d) for d in args.drafts]
-    weights = [float(x) for x in args.weights.split(",")] if args.weights else [1.0] * len(folders)
+    try:
+        weights = [float(x) for x in args.weights.split(",")] if args.weights else [1.0] * len(folders)
+    except ValueError:
+        ap.error(f"--weights must be numbers separated by commas, got {args.weights!r}")
     out = Path(args.out)
     if out.exists():
         ap.error(f"{out} exists; give a new folder")

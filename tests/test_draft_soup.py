@@ -69,6 +69,9 @@ def test_soup_refuses_drafts_of_other_shapes_and_bad_weights(tiny_dirs, tmp_path
     assert not (tmp_path / "x").exists()
     res = _run(str(tmp_path / "y"), str(a), str(a), "--weights", "0.3,-0.3")
     assert res.returncode == 2 and "sum to more than 0" in res.stderr
+    res = _run(str(tmp_path / "w"), str(a), str(a), "--weights", "1,two")
+    assert res.returncode == 2 and "numbers separated by commas" in res.stderr
+    assert "Traceback" not in res.stderr
     res = _run(str(tmp_path / "z"), str(a))
     assert res.returncode == 2 and "two or more drafts" in res.stderr
     res = _run(str(a), str(a), str(a))  # never writes over an existing folder
