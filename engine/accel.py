@@ -29,6 +29,7 @@ them; `describe()` and `setting()` report them.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import sys
@@ -198,9 +199,11 @@ def _describe() -> str:
     return linux_text(*_gpu())
 
 
+@functools.lru_cache(maxsize=1)
 def _gpu() -> tuple[bool, str]:
-    """Whether MLX runs on a GPU here (its CUDA backend), and the GPU's name. Asked only when
-    describing, after any re-exec, so importing MLX here is harmless."""
+    """Whether MLX runs on a GPU here (its CUDA backend), and the GPU's name: asked once a
+    process (describe() also names the prefix cache's keys), after any re-exec, so importing
+    MLX here is harmless."""
     import mlx.core as mx
 
     if mx.default_device().type != mx.gpu:

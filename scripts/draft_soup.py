@@ -76,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     shutil.copy(folders[0] / "config.json", out / "config.json")
     if (folders[0] / "draft_vocab.json").is_file():
         shutil.copy(folders[0] / "draft_vocab.json", out / "draft_vocab.json")
+    shares = [w / sum(weights) for w in weights]
     (out / "soup.json").write_text(json.dumps(
-        {"soup": [{"draft": str(f), "weight": w / sum(weights)} for f, w in zip(folders, weights)]},
-        indent=1) + "\n")
-    print(f"{out}: the mean of {len(folders)} drafts ({', '.join(f'{w / sum(weights):g}' for w in weights)})")
+        {"soup": [{"draft": str(f), "weight": w} for f, w in zip(folders, shares)]}, indent=1) + "\n")
+    print(f"{out}: the mean of {len(folders)} drafts ({', '.join(f'{w:g}' for w in shares)})")
     return 0
 
 
