@@ -81,9 +81,11 @@ the weight of a few cycles only; the plain step is timed afresh (it depends on t
 
 Measurement hygiene (what keeps "auto" at acceptance ~0 close to plain decoding): a step's time is
 the median of the last few plain steps (the first one after a draft cycle is not pipelined and
-would inflate an average); the first draft cycle's time is not used (it also projects the whole
-prompt into the draft's context); the first usable measurement of d replaces the prior instead
-of being averaged with it, so a draft that does not pay is found out within a few cycles.
+would inflate an average), and each overhead the median of its last few measurements (a VM's
+stalled cycle would move a mean for many cycles); the first draft cycle's time is not used (it
+also projects the whole prompt into the draft's context); the first usable measurement of d
+replaces the prior instead of being averaged with it, so a draft that does not pay is found out
+within a few cycles.
 
 Copy drafting (engine/lookup.py) offers a second proposal when the text's last tokens occurred
 before: the tokens that followed them. It needs no draft pass, so a copy window k costs
@@ -168,6 +170,12 @@ WIDE_PROBE_GAP = 16  # the same with wide windows (a GPU's), where whole blocks 
 FULL_DECAY = 0.97  # the memory of tokens per whole-block cycle (wide windows): ~33 cycles
 PROBE_SHARE = 0.04  # narrow windows: failed probes cost at most this share of a plain stretch
 MIN_PLAIN_SAMPLES = 3  # pipelined plain steps a run needs before it estimates its speedup
+# A measured overhead (d, d_short, o) is the median of its last few measurements, as a plain step
+# is: a shared VM stalls a cycle now and then (session 39, the demo prompt on a 2-core Xeon,
+# DFLASH_WINDOW_TRACE: 2-3 cycles a 160-token job took 140-200 ms where their kind took 35-50), and
+# a running mean moved d_short from 0.21 to 0.76 on one such 2-token cycle, which sent the job into
+# plain steps for 17+ cycles and, handed on, started the daemon's next job at 0.93.
+OVERHEAD_SAMPLES = 7
 
 
 @dataclass
@@ -234,6 +242,9 @@ class VerifyWindow:
         prior, self.d = _costs()
         self.d_short = self.d * SHORT_D_PRIOR
         self._d_short_measured = False
+        # each overhead's recent measurements (see OVERHEAD_SAMPLES); the first replaces the prior
+        self._d_samples: deque[float] = deque(maxlen=OVERHEAD_SAMPLES)
+        self._d_short_samples: deque[float] = deque(maxlen=OVERHEAD_SAMPLES)
         self.v = verify_costs(prior, block_size)  # v[k]: a k-token verify, in decode steps
         self.step_s: float | None = None  # measured seconds of a plain step (recent median)
         self._steps: deque[float] = deque(maxlen=9)
@@ -260,6 +271,8 @@ class VerifyWindow:
         self.o = COPY_OVERHEAD  # a copy cycle's overhead beyond its verify, in plain steps
         if memory is not None and self.fixed is None:
             self._recall(memory)
+        # copies are timed after plain stretches too, so o's prior stays one of its samples
+        self._o_samples: deque[float] = deque([self.o], maxlen=OVERHEAD_SAMPLES)
         # the policy's own view, cycle by cycle, where a run's speed needs explaining (a daemon's
         # job spending most cycles on plain steps where one process did not: session 34)
         trace = os.environ.get(TRACE_ENV)
@@ -416,7 +429,7 @@ class VerifyWindow:
             self._since_step += 1
             self.copy.observe(window - 1, accepted)
             if self.fixed is None and seconds is not None and self.step_s:
-                self.o = 0.8 * self.o + 0.2 * self._overhead(seconds, window)
+                self.o = _measured(self._o_samples, self._overhead(seconds, window))
             self._log(window, accepted, seconds, copied)
             return
         if window == 1:
@@ -445,9 +458,9 @@ class VerifyWindow:
                 and self._draft_cycles > 1 and steady):
             d = self._overhead(seconds, window)
             if window <= self.short_max and not whole_block:
-                self.d_short, self._d_short_measured = _updated(self.d_short, d, self._d_short_measured), True
+                self.d_short, self._d_short_measured = _measured(self._d_short_samples, d), True
             else:
-                self.d, self._d_measured = _updated(self.d, d, self._d_measured), True
+                self.d, self._d_measured = _measured(self._d_samples, d), True
         self._best = self.best()
         if accepted < window - 1 and self._best[1] < 1.0:  # drafting does not pay: probe less often
             # (a probe's second cycle: the gap grew on its first; its measured cost may cap it)
@@ -495,9 +508,11 @@ class VerifyWindow:
             "o": self.o, "p": self.p, "best": list(self._best), "probe_gap": self._probe_gap}) + "\n")
 
 
-def _updated(old: float, new: float, measured: bool) -> float:
-    """A measured overhead: the first measurement replaces the prior, later ones average in."""
-    return 0.8 * old + 0.2 * new if measured else new
+def _measured(samples: deque[float], new: float) -> float:
+    """An overhead's estimate after a new measurement: the median of its recent ones (a stalled
+    cycle does not move it; see OVERHEAD_SAMPLES)."""
+    samples.append(new)
+    return statistics.median(samples)
 
 
 def wide_windows() -> bool:

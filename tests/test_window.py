@@ -327,6 +327,30 @@ def _cpu_like(w: VerifyWindow, tokens: int, p: float, seed: int = 0) -> dict:
     return {"plain": plain, "cycles": cycles, "d_short": w.d_short, "p": w.p}
 
 
+def test_one_stalled_cycle_does_not_send_a_paying_draft_plain() -> None:
+    """Session 39: on a shared 2-core VM a cycle now and then takes 3-5x its kind's time (a
+    stall, not the draft). Overheads are medians of recent measurements, so one 4-step 2-token
+    cycle among 1.2-step ones neither moves d_short (a running mean took it from 0.2 to 0.76,
+    and the window to plain steps) nor reaches the next job through WindowMemory."""
+    from dflash.engine.window import WindowMemory
+
+    w = VerifyWindow(16, "auto", short_max=2)
+    w.observe(8, 3, 10 * STEP)  # the first draft cycle: not used
+    w.observe(1, 0, STEP)
+    for i in range(24):
+        k = w.next()
+        assert k == 2 or i < 8  # after the first misses, 2 tokens: ~1.5 tokens a 1.2-step cycle
+        cost = 1.2 if k <= 2 else 1.3 + 0.1 * k
+        w.observe(k, min(i % 2, k - 1), (4.0 if i == 16 else cost) * STEP)
+        if i >= 12:
+            assert w.d_short == pytest.approx(0.2)  # the stalled cycle included
+    w.remember(mem := WindowMemory())
+    assert mem.d_short == pytest.approx(0.2)
+    for _ in range(4):  # a machine that really got slower is followed within a few cycles
+        w.observe(2, 1, 2.2 * STEP)
+    assert w.d_short == pytest.approx(1.2)
+
+
 def test_a_probe_after_plain_steps_is_timed_on_its_second_cycle(monkeypatch) -> None:
     """Plain steps run one ahead and leave the draft's context behind, so the first draft cycle
     after them pays for the stretch as well: it is not timed, and a probe (rate < 1) drafts one
