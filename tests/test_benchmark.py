@@ -237,6 +237,43 @@ def test_chat_process_per_run_is_first_time(tiny: Path, tmp_path: Path) -> None:
         assert res.exit_code == 1 and msg in res.output, res.output
 
 
+def test_a_process_per_run_benchmark_stopped_by_timeout_keeps_its_finished_processes(
+        tiny: Path, tmp_path: Path) -> None:
+    """Session 39: `timeout 540` sent SIGTERM to a 15-process --process-per-run benchmark in its
+    last process and the 14 finished ones were lost. Now SIGTERM to the whole process group, as
+    `timeout` sends it, stops it as Ctrl-C does: exit 130, one JSON with the finished
+    processes' runs and `interrupted: true`."""
+    import os
+    import signal
+    import subprocess
+
+    questions = tmp_path / "q.txt"
+    questions.write_text("What is two plus two?\nName a red fruit.\n")
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash.engine.bench", "--model", str(tiny / "target"),
+         "--draft", str(tiny / "draft"), "--chat", "--prompt-file", str(questions),
+         "--process-per-run", "--repeats", "2", "--max-tokens", str(MAX_TOKENS), "--cooldown", "0",
+         "--verify-iters", "0", "--no-plot", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **NO_REEXEC},
+        start_new_session=True)  # a process group of its own, as `timeout` makes
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("== process 2/4"):  # the first process has finished
+            os.killpg(proc.pid, signal.SIGTERM)
+            break
+    out_text, err = proc.communicate(timeout=120)
+    output = "".join(lines) + out_text
+    assert proc.returncode == 130 and "Traceback" not in err, output + err
+    assert "== stopped: 1 of 4 process(es) finished" in output, output
+    (saved,) = out.glob("*.json")
+    data = json.loads(saved.read_text())
+    assert data["interrupted"] is True and data["method"]["process_per_run"] is True
+    assert {(r["question"], r["repeat"]) for r in data["runs"]} == {(0, 0)}
+    assert {r["engine"] for r in data["runs"]} == {"baseline", "dflash"}
+
+
 def test_chat_prompt_file_takes_the_held_out_sets_jsonl() -> None:
     """--chat --prompt-file: plain lines or the held-out sets' JSONL (engine/prompting.py, the one
     parser the trainer's prompt files use too); a bad JSON line names its line."""
@@ -458,9 +495,11 @@ def test_results_never_overwrite_each_other(tmp_path: Path) -> None:
     assert [json.loads(p.read_text())["n"] for p in paths] == [0, 1, 2]
 
 
-def test_ctrl_c_writes_what_was_measured(tiny: Path, tmp_path: Path) -> None:
-    """A real process, a real SIGINT after its first timed run: exit 130, the JSON written with
-    that run in it and `interrupted: true`, its path printed; bench.plot takes the file."""
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_writes_what_was_measured(tiny: Path, tmp_path: Path, sig: str) -> None:
+    """A real process, a real SIGINT (Ctrl-C) or SIGTERM (`timeout`, `kill`) after its first
+    timed run: exit 130, the JSON written with that run in it and `interrupted: true`, its path
+    printed; bench.plot takes the file."""
     import os
     import signal
     import subprocess
@@ -477,7 +516,7 @@ def test_ctrl_c_writes_what_was_measured(tiny: Path, tmp_path: Path) -> None:
     for line in proc.stdout:
         lines.append(line)
         if "repeat 1/3" in line:  # a timed run has finished
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(getattr(signal, sig))
             break
     out, err = proc.communicate(timeout=120)
     output = "".join(lines) + out

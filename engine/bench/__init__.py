@@ -21,7 +21,7 @@ The modules (engine/bench/, `dflash.engine.bench`; `python -m dflash.engine.benc
 command, `python -m dflash.engine.bench.plot RESULT.json` draws a saved result again):
 
     cli.py          the `dflash benchmark` command and its option checks
-    run.py          run_benchmark: checks, setup, every row, the JSON, table and plot; Ctrl-C
+    run.py          run_benchmark: checks, setup, every row, the JSON, table and plot; Ctrl-C, SIGTERM
     rows.py         one row: Bench, first-time / same-prompt runs, summarize
     timing.py       one timed run of each engine (one clock), compare_ids, time_forward
     plan.py         first-time cache lengths: the shape ledger and the planner

@@ -136,8 +136,9 @@ def _temperatures(_ctx: Any, _param: Any, value: str) -> list[float]:
 def benchmark_command(no_plot: bool, **kwargs: Any) -> None:
     """Benchmark DFlash against mlx-lm's stream_generate, side by side, in one process.
 
-    Writes one JSON (and a PNG plot) into --out and prints its path. Ctrl-C stops it and still
-    writes what was measured ("interrupted": true), exit status 130.
+    Writes one JSON (and a PNG plot) into --out and prints its path. Ctrl-C (or SIGTERM, as
+    `timeout` sends) stops it and still writes what was measured ("interrupted": true), exit
+    status 130.
     """
     if not kwargs["model"] and not kwargs["random_target"]:
         raise click.UsageError("give --model PATH or --random-target SHAPE")

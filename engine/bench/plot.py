@@ -66,7 +66,7 @@ def format_table(result: dict[str, Any]) -> str:
     title = (f"== summary: {result['model']} | mode {mode} | {result['dtype']} | "
              f"{result['hardware']['mx_default_device']} | medians of "
              f"{result['config']['repeats']} repeat(s)"
-             + (f" | INTERRUPTED (Ctrl-C): {len(rows)} finished row(s)" if result.get("interrupted") else ""))
+             + (f" | INTERRUPTED (Ctrl-C or SIGTERM): {len(rows)} finished row(s)" if result.get("interrupted") else ""))
     rule = line(["-" * w for w in widths])
     method = result.get("method") or {}
     note = (f"== method: first-time lengths {method.get('first_time_lengths')} (verified "

@@ -2,12 +2,16 @@
 
 Why a module of its own: it ties the pieces together in order (checks before any model loads,
 the setup, every row of rows.py, the JSON of results.py, the table and plot of plot.py) and
-keeps what was measured when Ctrl-C stops the runs.
+keeps what was measured when Ctrl-C or SIGTERM stops the runs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import mlx.core as mx
@@ -26,7 +30,7 @@ from .setup import BenchConfig, Setup, build_setup, chat_prompts, chat_questions
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during the runs: what was measured is written all the same (`path`)."""
+    """Ctrl-C or SIGTERM during the runs: what was measured is written all the same (`path`)."""
 
     def __init__(self, path: Path):
         super().__init__(str(path))
@@ -65,14 +69,35 @@ def check_setup(cfg: BenchConfig, setup: Setup) -> None:
                  rollback.plain_step_undoable(setup.target.make_cache()))
 
 
+@contextlib.contextmanager
+def sigterm_stops() -> Iterator[None]:
+    """SIGTERM (`timeout`, `kill`, a service manager) stops the runs as Ctrl-C does, so what was
+    measured is written. Session 39: `timeout 540` ended a 15-process `--process-per-run`
+    benchmark in its last process, and the 14 finished ones were lost with it. A second SIGTERM
+    while the result is written is ignored; the old handler is back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread can take signals
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def run_benchmark(cfg: BenchConfig, log: Log = print) -> tuple[dict, Path]:
     """Run the whole protocol; write the JSON (and plot); return (result, json path).
 
-    Ctrl-C during the runs writes what was measured (`interrupted: true`: the finished rows,
-    and every finished timed run) and raises Interrupted with its path."""
+    Ctrl-C or SIGTERM during the runs writes what was measured (`interrupted: true`: the
+    finished rows, and every finished timed run) and raises Interrupted with its path."""
     check_config(cfg)
     text = prompt_text(cfg)
-    with results_folder(cfg.out):
+    with results_folder(cfg.out), sigterm_stops():
         if cfg.process_per_run:
             from .apart import run_apart
 
@@ -106,10 +131,10 @@ def _run_benchmark(cfg: BenchConfig, log: Log, text: str | None) -> tuple[dict, 
         interrupted = True
         runs.extend(_unfinished(bench.timed))
     if interrupted and not runs:
-        log("== interrupted (Ctrl-C) before any timed run finished: nothing written")
+        log("== interrupted (Ctrl-C or SIGTERM) before any timed run finished: nothing written")
         raise KeyboardInterrupt
     result = _result(cfg, setup, mode_line, runs, summary, fresh, interrupted)
-    stopped = (f"== interrupted (Ctrl-C): {len(summary)} finished row(s), {len(runs)} timed run(s) "
+    stopped = (f"== interrupted (Ctrl-C or SIGTERM): {len(summary)} finished row(s), {len(runs)} timed run(s) "
                "kept") if interrupted else None
     path = publish(result, cfg, setup.name, log, stopped)
     if interrupted:
