@@ -66,7 +66,7 @@ def test_window_policy_tracks_acceptance():
     late = windows[30:]
     assert late.count(1) >= 30  # ... but then drafting does not pay: mostly plain steps,
     assert any(k > 1 for k in late) and max(late) < 16  # with a shorter probe every few
-    assert w.d > 1.0  # the measured draft cost replaced the prior
+    assert w.d > 0.5  # the measured draft cost (the median of its last few) replaced the prior, 0.2
     assert VerifyWindow(16, "full").next() == 16 and VerifyWindow(16, 4).next() == 4
     assert VerifyWindow(16, 1).next() == 1
     for bad in (0, 17):
