@@ -73,15 +73,16 @@ def _step(ckpt: Path) -> int:
 
 
 # --- Ctrl-C ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_ctrl_c_during_training_saves_the_checkpoint_and_exits_130(target: Path, data: Path,
-                                                                   tmp_path: Path, monkeypatch):
+                                                                   tmp_path: Path, monkeypatch, sig):
     """Before: click's "Aborted!", exit 1, and every step since the last periodic checkpoint lost
-    (here: no checkpoint at all)."""
+    (here: no checkpoint at all). SIGTERM (`timeout`, `kill`) stops it the same way (session 39)."""
     batch = td.FixedBatches.batch
 
     def press_at_step_3(self, step, misses=None):
         if step == 2:  # the third update
-            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(getattr(signal, sig))
         return batch(self, step, misses)
 
     monkeypatch.setattr(td.FixedBatches, "batch", press_at_step_3)
@@ -89,6 +90,7 @@ def test_ctrl_c_during_training_saves_the_checkpoint_and_exits_130(target: Path,
     r = _train(target, out, "--total-steps", "50", "--ckpt-every", "0", "--compile-steps", "0", data=data)
     assert r.exit_code == 130, r.output
     assert "Aborted" not in r.output and "Traceback" not in r.output
+    assert f"[train] {'Ctrl-C' if sig == 'SIGINT' else 'SIGTERM'}: stopping after this step" in r.output
     assert _step(out / "checkpoint") == 3
     assert f"--resume {out / 'checkpoint'}" in r.output
     monkeypatch.setattr(td.FixedBatches, "batch", batch)  # and the campaign continues from there

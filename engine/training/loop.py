@@ -216,28 +216,32 @@ class Dist:
 
 
 class CtrlC:
-    """While training: the first Ctrl-C asks the loop to stop after the step in flight and save
-    its checkpoint (a KeyboardInterrupt in the middle of a step would lose every step since the
-    last periodic checkpoint); a second one interrupts at once. Off outside the main thread."""
+    """While training: the first Ctrl-C, or SIGTERM (`timeout`, `kill`, a service manager), asks
+    the loop to stop after the step in flight and save its checkpoint (a KeyboardInterrupt in
+    the middle of a step would lose every step since the last periodic checkpoint); a second
+    one interrupts at once. Off outside the main thread."""
+
+    SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
     def __init__(self, say: Log) -> None:
-        self.say, self.pressed, self._old = say, False, None
+        self.say, self.pressed, self._old = say, False, {}
 
     def __enter__(self) -> "CtrlC":
         if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGINT, self._handle)
+            self._old = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.pressed:
             raise KeyboardInterrupt
         self.pressed = True
-        self.say("[train] Ctrl-C: stopping after this step and saving the checkpoint "
-                 "(Ctrl-C again to quit without saving it)")
+        name = self.SIGNALS.get(signum, "a signal")
+        self.say(f"[train] {name}: stopping after this step and saving the checkpoint "
+                 f"({name} again to quit without saving it)")
 
 
 def _sources(opts: TrainOptions) -> str:
@@ -702,8 +706,8 @@ def _cli():
         """Train a DFlash draft for the --target model on its own responses (greedy, or a
         --sampled-responses share sampled); writes the draft, OUT/checkpoint/ and OUT/README.md.
 
-        Ctrl-C stops after the step in flight and saves the checkpoint (exit 130); --resume
-        OUT/checkpoint continues the campaign. See docs/training.md."""
+        Ctrl-C (or SIGTERM) stops after the step in flight and saves the checkpoint (exit 130);
+        --resume OUT/checkpoint continues the campaign. See docs/training.md."""
         import sys
 
         kw["compile"] = not kw.pop("no_compile")
