@@ -2,7 +2,9 @@
 as the old running mean (first measurement replaces the prior, then 0.8 old + 0.2 new), beside the
 median of the last 7 (every other arm). Arguments as arms_ab.py's."""
 import sys
-sys.path.insert(0, "/work/main/scripts")
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))  # the checkout's scripts/
 import arms_ab  # noqa: E402
 import dflash.engine.window as W  # noqa: E402
 
