@@ -241,8 +241,8 @@ class VerifyWindow:
         self.successes, self.failures = 2.0, 0.5  # prior: p = 0.8, worth ~2.5 cycles
         prior, self.d = _costs()
         self.d_short = self.d * SHORT_D_PRIOR
-        self._d_short_measured = False
-        # each overhead's recent measurements (see OVERHEAD_SAMPLES); the first replaces the prior
+        # each overhead's recent measurements (see OVERHEAD_SAMPLES; none yet: the prior stands);
+        # the first replaces the prior
         self._d_samples: deque[float] = deque(maxlen=OVERHEAD_SAMPLES)
         self._d_short_samples: deque[float] = deque(maxlen=OVERHEAD_SAMPLES)
         self.v = verify_costs(prior, block_size)  # v[k]: a k-token verify, in decode steps
@@ -255,7 +255,6 @@ class VerifyWindow:
         # a probe came right after plain steps: its time holds the plain stretch's deferred work,
         # so the next cycle drafts again and is timed (narrow windows; see _steady)
         self._retime = False
-        self._d_measured = False
         self.cycles = 0
         self._since_draft = 0  # cycles without the model's draft since its last one
         self._since_step = 0  # draft and copy cycles since the last timed plain step
@@ -308,9 +307,9 @@ class VerifyWindow:
         """Hand what this generation measured to the next one (auto windows only)."""
         if self.fixed is not None:
             return
-        if self._d_measured:
+        if self._d_samples:
             m.d = self.d
-        if self._d_short_measured:
+        if self._d_short_samples:
             m.d_short = self.d_short
         if self._draft_cycles:
             m.p = self.p
@@ -458,9 +457,9 @@ class VerifyWindow:
                 and self._draft_cycles > 1 and steady):
             d = self._overhead(seconds, window)
             if window <= self.short_max and not whole_block:
-                self.d_short, self._d_short_measured = _measured(self._d_short_samples, d), True
+                self.d_short = _measured(self._d_short_samples, d)
             else:
-                self.d, self._d_measured = _measured(self._d_samples, d), True
+                self.d = _measured(self._d_samples, d)
         self._best = self.best()
         if accepted < window - 1 and self._best[1] < 1.0:  # drafting does not pay: probe less often
             # (a probe's second cycle: the gap grew on its first; its measured cost may cap it)
