@@ -270,6 +270,40 @@ def test_eval_draft_ctrl_c_exits_130_and_shows_progress(target: Path, campaign: 
     assert not rep.exists()
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_eval_draft_stopped_keeps_the_prompts_that_finished(target: Path, campaign: Path, tmp_path: Path,
+                                                            sig: str):
+    """A real process, a real Ctrl-C or SIGTERM (`timeout` on a GPU call) after its first prompts.
+    Before: "cancelled (nothing written)", and every finished prompt was lost. Now: exit 130, the
+    report of the finished prompts written (`interrupted: true`), the prompt in flight left out."""
+    import os
+    import subprocess
+    import sys
+
+    rep = tmp_path / "rep.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash.engine.cli", "eval-draft", "--target", str(target), "--draft",
+         str(campaign / "checkpoint"), "--prompts", "40", "--max-tokens", "24", "--out", str(rep)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a background run ignores it
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if "[eval] 10/40 prompts" in line:
+            proc.send_signal(getattr(signal, sig))
+            break
+    _, err = proc.communicate(timeout=120)
+    output = "".join(lines) + err
+    assert proc.returncode == 130 and "Traceback" not in output, output
+    assert f"finished prompts written to {rep}" in output, output
+    data = json.loads(rep.read_text())
+    done = data["prompts"]
+    assert data["interrupted"] is True and data["prompts_asked"] == 40 and 10 <= done < 40, data["prompts"]
+    assert data["heldout"]["overall"]["prompts"] == done == len(data["answers"])
+    assert sum(r["prompts"] for k, r in data["heldout"].items() if k != "overall") == done
+    assert sum(b["cycles"] for b in data["heldout"]["overall"]["by_position"]) <= data["heldout"]["overall"]["cycles"]
+
+
 # --- import --------------------------------------------------------------------------------------------
 needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="gguf not installed")
 

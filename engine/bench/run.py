@@ -7,16 +7,13 @@ keeps what was measured when Ctrl-C or SIGTERM stops the runs.
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import mlx.core as mx
 
 from .. import accel, rollback
+from ..launch import sigterm_stops
 from .results import _mode_line, _result, _write, results_folder
 from .rows import (
     Bench,
@@ -67,27 +64,6 @@ def check_setup(cfg: BenchConfig, setup: Setup) -> None:
         raise ValueError("DFlash mode needs a draft (give --draft, or --draft-layers > 0)")
     fixed_window(_window(cfg), setup.block_size,
                  rollback.plain_step_undoable(setup.target.make_cache()))
-
-
-@contextlib.contextmanager
-def sigterm_stops() -> Iterator[None]:
-    """SIGTERM (`timeout`, `kill`, a service manager) stops the runs as Ctrl-C does, so what was
-    measured is written. Session 39: `timeout 540` ended a 15-process `--process-per-run`
-    benchmark in its last process, and the 14 finished ones were lost with it. A second SIGTERM
-    while the result is written is ignored; the old handler is back afterwards."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # only the main thread can take signals
-        return
-
-    def stop(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 def run_benchmark(cfg: BenchConfig, log: Log = print) -> tuple[dict, Path]:

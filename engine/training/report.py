@@ -12,6 +12,15 @@ from .objective import default_gamma
 Log = Callable[[str], None]
 
 
+class EvalInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM during `evaluate`: `report` covers the `done` prompts that finished
+    (the one in flight is left out whole), so an evaluation stopped by `timeout` keeps them."""
+
+    def __init__(self, report: dict[str, Any], done: int):
+        super().__init__(f"{done} prompts evaluated")
+        self.report, self.done = report, done
+
+
 def evaluate(
     target: TargetModel, draft: DFlashDraft, tokenizer: Any, samples: list[Any],
     max_tokens: int = 128, log: Log = print, vocab: list[int] | None = None,
@@ -38,51 +47,79 @@ def evaluate(
     `answers`, when given, gets one record a prompt (kind, tau, the answer's token ids): which
     prompts pull tau up or down, and what the target wrote in this dtype (fp32 and bf16 greedy
     answers are different texts, which is what an fp32-vs-bf16 evaluation compares).
-    """
-    from ..drafters import DFlashDrafter
-    from ..generate import Finished, TokenDelta, stream_dflash_generate
 
+    Ctrl-C (or SIGTERM under `launch.sigterm_stops`) raises EvalInterrupted with the report of
+    the prompts that finished.
+    """
     import time
+
+    from ..drafters import DFlashDrafter
 
     drafter = DFlashDrafter(draft, target, vocab)
     sums: dict[str, dict[str, Any]] = {}
     by_pos: dict[int, list[int]] = {}  # 16-token stretch -> [cycles, accepted drafts]
     every, t0 = max(1, len(samples) // 8), time.perf_counter()  # progress: ~8 lines, not silence
-    for n_done, s in enumerate(samples, 1):
-        final = None
-        pos, last = 0, None  # answer tokens before `last`, the latest cycle's delta
-        for i, ev in enumerate(stream_dflash_generate(
-            target, drafter, tokenizer, s.prompt_ids, max_tokens, verify_window=window,
-            copy_draft=False, branches=rows,
-        )):
-            if isinstance(ev, Finished):
-                final = ev
-            elif isinstance(ev, TokenDelta) and ev.token_ids:  # one per cycle: no stop strings
-                if last is not None:  # a whole cycle: the next one came
-                    b = by_pos.setdefault(pos // 16, [0, 0])
-                    b[0] += 1
-                    b[1] += sum(last.from_draft)
-                    pos += len(last.token_ids)
-                elif i == 0:  # the first token, from the prefill: not a cycle
-                    pos = len(ev.token_ids)
-                    continue
-                last = ev
-        st = final.stats
-        if answers is not None:
-            answers.append({"kind": s.kind, "tau": round(st.tokens_per_cycle, 3),
-                            "cycles": st.cycles, "rows": st.branch_rows, "ids": list(final.token_ids)})
-        for key in (s.kind, "overall"):
-            acc = sums.setdefault(key, {"n": 0, "gen": 0, "acc": 0, "cyc": 0, "hist": None})
-            acc["n"] += 1
-            acc["gen"] += st.generated_tokens
-            acc["acc"] += st.accepted_drafts
-            acc["cyc"] += st.cycles
-            h = list(st.accept_histogram or [])
-            acc["hist"] = h if acc["hist"] is None else [a + b for a, b in zip(acc["hist"], h)]
-        if n_done % every == 0 and n_done < len(samples):
-            o = sums["overall"]
-            log(f"[eval] {n_done}/{len(samples)} prompts | acceptance so far "
-                f"{o['acc'] / max(o['gen'], 1):.1%} | {time.perf_counter() - t0:.0f}s")
+    done = 0
+    try:
+        for n_done, s in enumerate(samples, 1):
+            _one_prompt(target, drafter, tokenizer, s, max_tokens, window, rows, sums, by_pos, answers)
+            done = n_done
+            if n_done % every == 0 and n_done < len(samples):
+                o = sums["overall"]
+                log(f"[eval] {n_done}/{len(samples)} prompts | acceptance so far "
+                    f"{o['acc'] / max(o['gen'], 1):.1%} | {time.perf_counter() - t0:.0f}s")
+    except KeyboardInterrupt:
+        log(f"[eval] stopped after {done} of {len(samples)} prompts: the report covers those")
+        raise EvalInterrupted(_report(sums, by_pos, log), done) from None
+    return _report(sums, by_pos, log)
+
+
+def _one_prompt(target: TargetModel, drafter: Any, tokenizer: Any, s: Any, max_tokens: int,
+                window: str | int, rows: int, sums: dict[str, dict[str, Any]],
+                by_pos: dict[int, list[int]], answers: list[dict[str, Any]] | None) -> None:
+    """Decode one prompt and add its counts to `sums` and `by_pos` only once it has finished
+    (a stopped evaluation then reports whole prompts)."""
+    from ..generate import Finished, TokenDelta, stream_dflash_generate
+
+    final = None
+    mine: dict[int, list[int]] = {}
+    pos, last = 0, None  # answer tokens before `last`, the latest cycle's delta
+    for i, ev in enumerate(stream_dflash_generate(
+        target, drafter, tokenizer, s.prompt_ids, max_tokens, verify_window=window,
+        copy_draft=False, branches=rows,
+    )):
+        if isinstance(ev, Finished):
+            final = ev
+        elif isinstance(ev, TokenDelta) and ev.token_ids:  # one per cycle: no stop strings
+            if last is not None:  # a whole cycle: the next one came
+                b = mine.setdefault(pos // 16, [0, 0])
+                b[0] += 1
+                b[1] += sum(last.from_draft)
+                pos += len(last.token_ids)
+            elif i == 0:  # the first token, from the prefill: not a cycle
+                pos = len(ev.token_ids)
+                continue
+            last = ev
+    for k, (c, a) in mine.items():
+        b = by_pos.setdefault(k, [0, 0])
+        b[0] += c
+        b[1] += a
+    st = final.stats
+    if answers is not None:
+        answers.append({"kind": s.kind, "tau": round(st.tokens_per_cycle, 3),
+                        "cycles": st.cycles, "rows": st.branch_rows, "ids": list(final.token_ids)})
+    for key in (s.kind, "overall"):
+        acc = sums.setdefault(key, {"n": 0, "gen": 0, "acc": 0, "cyc": 0, "hist": None})
+        acc["n"] += 1
+        acc["gen"] += st.generated_tokens
+        acc["acc"] += st.accepted_drafts
+        acc["cyc"] += st.cycles
+        h = list(st.accept_histogram or [])
+        acc["hist"] = h if acc["hist"] is None else [a + b for a, b in zip(acc["hist"], h)]
+
+
+def _report(sums: dict[str, dict[str, Any]], by_pos: dict[int, list[int]], log: Log) -> dict[str, Any]:
+    """The counts as `evaluate` returns them (per kind and overall), each kind's line logged."""
     report = {}
     for k, v in sums.items():
         hist = v["hist"] or []
@@ -203,10 +240,17 @@ def _eval_cli():
         every cycle verifies the whole block, or --window tokens). Ctrl-C cancels (exit 130)."""
         import sys
 
+        from ..launch import sigterm_stops
+
         try:
-            _eval_draft(target, draft, max_tokens, n_prompts, heldout_file, dtype, window, rows, out)
-        except KeyboardInterrupt:
-            click.echo("cancelled" + (f" (nothing written to {out})" if out else ""), err=True)
+            with sigterm_stops():
+                _eval_draft(target, draft, max_tokens, n_prompts, heldout_file, dtype, window, rows, out)
+        except KeyboardInterrupt as e:
+            if isinstance(e, EvalInterrupted) and out and e.done:
+                click.echo(f"cancelled: the {e.done} finished prompts written to {out} "
+                           "(`interrupted: true`)", err=True)
+            else:
+                click.echo("cancelled" + (f" (nothing written to {out})" if out else ""), err=True)
             sys.exit(130)
         except OSError as e:  # the report's folder gone, no permission, disk full: one line
             raise click.ClickException(f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}") from e
@@ -260,17 +304,25 @@ def _eval_cli():
         if window is not None:
             log(f"[eval] verify window {window}, " + (f"draft blocks cut to {window} rows" if cut else "whole draft blocks"))
         answers: list[dict] = []
-        report = evaluate(tm, d, tokenizer, samples, max_tokens, log, vocab, window or "full", answers,
-                          rows)
-        if out:
-            rec = {"target": target, "draft": draft, "max_tokens": max_tokens, "dtype": dt,
-                   "draft_vocab": len(vocab) if vocab else None, "window": window or "full",
-                   "cut_block": bool(cut), "rows": rows,
-                   "device": str(mx.default_device()), "prompts": len(samples), "heldout": report,
-                   "answers": answers}
+        rec = {"target": target, "draft": draft, "max_tokens": max_tokens, "dtype": dt,
+               "draft_vocab": len(vocab) if vocab else None, "window": window or "full",
+               "cut_block": bool(cut), "rows": rows, "device": str(mx.default_device()),
+               "prompts": len(samples)}
+
+        def write(report: dict, **more: Any) -> None:
             tmp = Path(f"{out}.tmp")  # whole or nothing: a full disk leaves no torn report
-            tmp.write_text(json.dumps(rec, indent=2) + "\n")
+            tmp.write_text(json.dumps({**rec, **more, "heldout": report, "answers": answers}, indent=2) + "\n")
             tmp.replace(out)
+
+        try:
+            report = evaluate(tm, d, tokenizer, samples, max_tokens, log, vocab, window or "full",
+                              answers, rows)
+        except EvalInterrupted as e:  # the finished prompts are kept (a `timeout` on a GPU call)
+            if out and e.done:
+                write(e.report, prompts=e.done, interrupted=True, prompts_asked=len(samples))
+            raise
+        if out:
+            write(report)
 
     return eval_draft_command
 
