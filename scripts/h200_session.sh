@@ -34,7 +34,9 @@
 #                   ARM_A's extra train-draft flags (default none), arm 1 with ARM_B's, BUDGET each
 #                   (one GPU: both share it); each evaluates on the held-out set, `pack` brings arm
 #                   PACK_ARM (default 1) as h200_pair.sh `pack` brings a run, and the other arm's
-#                   reports (reports_armN.tar). E.g. ARM_B="--grow-layers 3"
+#                   reports (reports_armN.tar). E.g. ARM_B="--grow-layers 3". Two arms on one
+#                   GPU need an H200: on an 80 GB H100 both ran out of memory at their first step
+#                   (session 40, 32 sequences a step each)
 # Hooks, in the ignored .devq/ (carried): .devq/env, sourced first at every call, overrides the
 # settings above for the calls still to come (the pump's command line stays as it is);
 # .devq/job.sh runs once per content at the start of a call (not while packing): the session's
@@ -135,9 +137,11 @@ case $phase in
       bash scripts/h200_pair.sh abwait 0
       # arm PACK_ARM as `pack` brings a run (its checkpoint's small files in reports.tar); the
       # other arm's logs and held-out reports beside it (the data did not change: no prompts)
-      PROMPTS=0 bash scripts/h200_pair.sh pack "/tmp/arm${PACK_ARM:-1}"
+      # the other arm's reports first: pack counts what $OUT holds before it adds the small
+      # files (8 files come back at most; they are in reports.tar as well)
       a=$((1 - ${PACK_ARM:-1}))
       (cd /tmp/arm$a && tar cf "$OUT/reports_arm$a.tar" --exclude=data --exclude=checkpoint --exclude='*.safetensors' .)
+      PROMPTS=0 bash scripts/h200_pair.sh pack "/tmp/arm${PACK_ARM:-1}"
     else
       bash scripts/h200_pair.sh wait 0; PROMPTS=${PACKDATA:-1} bash scripts/h200_pair.sh pack
     fi
