@@ -7,7 +7,11 @@ line (the bundled draft and the campaign runs that continued it), where the aver
 the segment between them. The mean is taken in fp32 and written in the first draft's dtype,
 as a checkpoint folder (engine/training/checkpoint.write_parts) with the first draft's
 config.json and draft_vocab.json; soup.json records the sources. It has no trainer.json: a
-soup carries no step, schedule or moments to resume, so training from it starts anew.
+soup carries no step, schedule or moments of its own, so `train-draft --init-draft` starts anew
+from it. `--campaign DRAFT` gives it that draft's trainer.json (step, schedule, data state;
+never its optimizer moments, which belong to other weights), so that `train-draft --resume SOUP
+--restart-lr ...` goes on with the campaign from the soup, re-warming fresh moments as any resume
+without them does (session 40 did this by hand: soup B with session 35's trainer.json).
 
 Session 38 (2-core CPU, fp32, `DFLASH_DRAFT_VOCAB=full dflash eval-draft --max-tokens 128`):
 the bundled draft and session 35's averaged 62.2% / 2.65 (session 35's own 62.1% / 2.65),
@@ -57,8 +61,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", default=None, help="comma-separated, one a draft, normalised to sum to 1 "
                                                     "(default: equal); a negative one extrapolates "
                                                     "(--weights=-0.5,1.5: half the way from D1 to D2 again past D2)")
+    ap.add_argument("--campaign", default=None, metavar="DRAFT",
+                    help="a checkpoint whose trainer.json the soup takes (step, schedule, data "
+                         "state; not its optimizer moments), so train-draft --resume continues from it")
     args = ap.parse_args(argv)
     folders = [Path(d) for d in args.drafts]
+    trainer = None
+    if args.campaign:
+        try:
+            trainer = json.loads((Path(args.campaign) / "trainer.json").read_text())
+        except FileNotFoundError:
+            ap.error(f"--campaign {args.campaign}: no trainer.json there (a training checkpoint has one)")
+        except ValueError as e:
+            ap.error(f"--campaign {args.campaign}: trainer.json is not JSON ({e})")
     try:
         weights = [float(x) for x in args.weights.split(",")] if args.weights else [1.0] * len(folders)
     except ValueError:
@@ -78,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         shutil.copy(folders[0] / "draft_vocab.json", out / "draft_vocab.json")
     shares = [w / sum(weights) for w in weights]
     (out / "soup.json").write_text(json.dumps(
-        {"soup": [{"draft": str(f), "weight": w} for f, w in zip(folders, shares)]}, indent=1) + "\n")
+        {"soup": [{"draft": str(f), "weight": w} for f, w in zip(folders, shares)],
+         "campaign": args.campaign}, indent=1) + "\n")
+    if trainer is not None:  # last: a folder with trainer.json is a whole checkpoint
+        trainer = dict(trainer, optimizer_saved=False, soup=str(out / "soup.json"))
+        (out / "trainer.json").write_text(json.dumps(trainer, indent=2) + "\n")
     print(f"{out}: the mean of {len(folders)} drafts ({', '.join(f'{w:g}' for w in shares)})")
     return 0
 

@@ -76,3 +76,37 @@ def test_soup_refuses_drafts_of_other_shapes_and_bad_weights(tiny_dirs, tmp_path
     assert res.returncode == 2 and "two or more drafts" in res.stderr
     res = _run(str(a), str(a), str(a))  # never writes over an existing folder
     assert res.returncode == 2 and "exists" in res.stderr
+
+
+def test_a_soup_given_a_campaign_resumes_it(tmp_path: Path) -> None:
+    """--campaign DRAFT: the soup takes that checkpoint's trainer.json (not its moments), and
+    train-draft --resume continues the campaign from the soup's weights at that step (session 40
+    copied session 35's trainer.json beside soup B by hand)."""
+    from dflash.engine.tiny import build_target
+    from dflash.engine.training import TrainOptions, train_draft
+
+    target = build_target(tmp_path / "target", "qwen3")
+    common = dict(target=str(target), data_dir=str(tmp_path / "data"), layers=1, block_size=8,
+                  num_capture=3, seqs_per_batch=2, anchors_per_seq=4, max_len=64, num_prompts=6,
+                  max_new_tokens=16, gen_batch_size=6, eval_prompts=0, log_every=1, ckpt_every=0,
+                  dtype="float32", compile=False)
+    train_draft(TrainOptions(out=str(tmp_path / "run"), total_steps=4, **common), log=lambda s: None)
+    ckpt = tmp_path / "run" / "checkpoint"
+    other = tmp_path / "other"
+    _shifted(ckpt, other, 0.01)
+    soup = tmp_path / "soup"
+    res = _run(str(soup), str(ckpt), str(other), "--campaign", str(ckpt))
+    assert res.returncode == 0, res.stderr
+    trainer = json.loads((soup / "trainer.json").read_text())
+    before = json.loads((ckpt / "trainer.json").read_text())
+    assert trainer["step"] == before["step"] == 4 and trainer["schedule"] == before["schedule"]
+    assert trainer["optimizer_saved"] is False and not (soup / "optimizer").exists()
+    assert json.loads((soup / "soup.json").read_text())["campaign"] == str(ckpt)
+    lines: list[str] = []
+    train_draft(TrainOptions(out=str(tmp_path / "more"), resume=str(soup), total_steps=6, **common),
+                log=lines.append)
+    assert any(f"resumed from {soup} at step 4" in ln for ln in lines), lines
+    assert json.loads((tmp_path / "more" / "checkpoint" / "trainer.json").read_text())["step"] == 6
+    # a folder without trainer.json is refused in one line, before anything is written
+    res = _run(str(tmp_path / "nope"), str(ckpt), str(other), "--campaign", str(other))
+    assert res.returncode == 2 and "no trainer.json" in res.stderr and not (tmp_path / "nope").exists()
