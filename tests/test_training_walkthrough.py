@@ -304,6 +304,44 @@ def test_eval_draft_stopped_keeps_the_prompts_that_finished(target: Path, campai
     assert sum(b["cycles"] for b in data["heldout"]["overall"]["by_position"]) <= data["heldout"]["overall"]["cycles"]
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_train_draft_stopped_in_its_evaluation_keeps_the_draft_and_a_summary(target: Path, data: Path,
+                                                                           tmp_path: Path, sig: str):
+    """A real train-draft process stopped in its held-out evaluation (a `timeout` on a GPU call
+    ends there, after the training). Before: SIGTERM killed it and Ctrl-C said "cancelled; the
+    data cached so far stays": no train_summary.json, no model card, although the draft was saved.
+    Now: exit 130, the summary and the card written with the prompts that finished."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash.engine.cli", "train-draft", "--target", str(target), "--out", str(out),
+         "--data-dir", str(data), "--layers", "1", "--block-size", "8", "--num-capture", "3",
+         "--seqs-per-batch", "2", "--anchors-per-seq", "4", "--max-len", "64", "--num-prompts", "6",
+         "--max-new-tokens", "16", "--gen-batch-size", "6", "--dtype", "float32", "--no-compile",
+         "--total-steps", "2", "--eval-prompts", "40", "--eval-max-tokens", "24"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a background run ignores it
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if "[eval] 10/40 prompts" in line:
+            proc.send_signal(getattr(signal, sig))
+            break
+    _, err = proc.communicate(timeout=180)
+    output = "".join(lines) + err
+    assert proc.returncode == 130 and "Traceback" not in output and "cancelled" not in output, output
+    assert "held-out evaluation stopped after" in output, output
+    summary = json.loads((out / "train_summary.json").read_text())
+    done = summary["heldout_prompts"]
+    assert summary["eval_interrupted"] is True and 10 <= done < 40
+    assert summary["heldout"]["overall"]["prompts"] == done and summary["steps"] == 2
+    assert f"| overall | {done} |" in (out / "README.md").read_text()
+    assert (out / "config.json").is_file() and _step(out / "checkpoint") == 2
+
+
 # --- import --------------------------------------------------------------------------------------------
 needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="gguf not installed")
 

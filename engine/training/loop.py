@@ -43,7 +43,8 @@ from .checks import ARCH_OPTIONS, preflight
 from . import data as td
 from .grow import grow
 from .objective import block_loss, cast_tree, default_gamma, position_weights, target_pass
-from .report import evaluate, write_model_card
+from ..launch import sigterm_stops
+from .report import EvalInterrupted, evaluate, write_model_card
 from .vocab import rank_samples
 from .schedule import Schedule, warmup_steps_for
 
@@ -612,7 +613,15 @@ def train_draft(opts: TrainOptions, log: Log = print,
     n_eval = len(heldout_pairs) if opts.eval_prompts is None else opts.eval_prompts
     eval_set = [td.Sample(k, p, td.chat_ids(tokenizer, p), [], "heldout")
                 for k, p in heldout_pairs[:n_eval]]
-    report = evaluate(target, draft, tokenizer, eval_set, opts.eval_max_tokens, log) if eval_set else {}
+    try:  # Ctrl-C or SIGTERM here: the draft is saved; the finished prompts are reported
+        with sigterm_stops():
+            report = evaluate(target, draft, tokenizer, eval_set, opts.eval_max_tokens, log) if eval_set else {}
+    except EvalInterrupted as e:
+        report = e.report
+        summary["eval_interrupted"] = True
+        say(f"[train] held-out evaluation stopped after {e.done} of {len(eval_set)} prompts; the "
+            f"draft ({out}) and the checkpoint ({ckpt_dir}) are saved")
+        eval_set = eval_set[:e.done]
     summary.update(heldout=report, heldout_prompts=len(eval_set), heldout_excluded=len(heldout_pairs),
                    eval_time_s=time.perf_counter() - t0,
                    total_time_s=time.perf_counter() - t_begin)
@@ -723,7 +732,7 @@ def _cli():
             raise click.ClickException(str(e)) from e
         except OSError as e:  # disk full, no permission, a file where a folder goes: one line
             raise click.ClickException(_os_error(e)) from e
-        if summary.get("stop_reason") == "interrupted":
+        if summary.get("stop_reason") == "interrupted" or summary.get("eval_interrupted"):
             sys.exit(130)
 
     return train_draft_command
