@@ -270,21 +270,16 @@ def test_eval_draft_ctrl_c_exits_130_and_shows_progress(target: Path, campaign: 
     assert not rep.exists()
 
 
-@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-def test_eval_draft_stopped_keeps_the_prompts_that_finished(target: Path, campaign: Path, tmp_path: Path,
-                                                            sig: str):
-    """A real process, a real Ctrl-C or SIGTERM (`timeout` on a GPU call) after its first prompts.
-    Before: "cancelled (nothing written)", and every finished prompt was lost. Now: exit 130, the
-    report of the finished prompts written (`interrupted: true`), the prompt in flight left out."""
+def _signalled_at_prompt_10(sig: str, *args: str) -> tuple[int, str]:
+    """`dflash ARGS` in a real process, sent SIGINT or SIGTERM once the held-out evaluation has
+    finished 10 of its 40 prompts: (exit status, stderr)."""
     import os
     import subprocess
     import sys
 
-    rep = tmp_path / "rep.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash.engine.cli", "eval-draft", "--target", str(target), "--draft",
-         str(campaign / "checkpoint"), "--prompts", "40", "--max-tokens", "24", "--out", str(rep)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ),
+        [sys.executable, "-m", "dflash.engine.cli", *args], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env=dict(os.environ),
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a background run ignores it
     lines = []
     for line in proc.stderr:
@@ -292,9 +287,21 @@ def test_eval_draft_stopped_keeps_the_prompts_that_finished(target: Path, campai
         if "[eval] 10/40 prompts" in line:
             proc.send_signal(getattr(signal, sig))
             break
-    _, err = proc.communicate(timeout=120)
-    output = "".join(lines) + err
-    assert proc.returncode == 130 and "Traceback" not in output, output
+    _, err = proc.communicate(timeout=180)
+    return proc.returncode, "".join(lines) + err
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_eval_draft_stopped_keeps_the_prompts_that_finished(target: Path, campaign: Path, tmp_path: Path,
+                                                            sig: str):
+    """A real process, a real Ctrl-C or SIGTERM (`timeout` on a GPU call) after its first prompts.
+    Before: "cancelled (nothing written)", and every finished prompt was lost. Now: exit 130, the
+    report of the finished prompts written (`interrupted: true`), the prompt in flight left out."""
+    rep = tmp_path / "rep.json"
+    rc, output = _signalled_at_prompt_10(sig, "eval-draft", "--target", str(target), "--draft",
+                                         str(campaign / "checkpoint"), "--prompts", "40",
+                                         "--max-tokens", "24", "--out", str(rep))
+    assert rc == 130 and "Traceback" not in output, output
     assert f"finished prompts written to {rep}" in output, output
     data = json.loads(rep.read_text())
     done = data["prompts"]
@@ -311,28 +318,14 @@ def test_train_draft_stopped_in_its_evaluation_keeps_the_draft_and_a_summary(tar
     ends there, after the training). Before: SIGTERM killed it and Ctrl-C said "cancelled; the
     data cached so far stays": no train_summary.json, no model card, although the draft was saved.
     Now: exit 130, the summary and the card written with the prompts that finished."""
-    import os
-    import subprocess
-    import sys
-
     out = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash.engine.cli", "train-draft", "--target", str(target), "--out", str(out),
-         "--data-dir", str(data), "--layers", "1", "--block-size", "8", "--num-capture", "3",
-         "--seqs-per-batch", "2", "--anchors-per-seq", "4", "--max-len", "64", "--num-prompts", "6",
-         "--max-new-tokens", "16", "--gen-batch-size", "6", "--dtype", "float32", "--no-compile",
-         "--total-steps", "2", "--eval-prompts", "40", "--eval-max-tokens", "24"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ),
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a background run ignores it
-    lines = []
-    for line in proc.stderr:
-        lines.append(line)
-        if "[eval] 10/40 prompts" in line:
-            proc.send_signal(getattr(signal, sig))
-            break
-    _, err = proc.communicate(timeout=180)
-    output = "".join(lines) + err
-    assert proc.returncode == 130 and "Traceback" not in output and "cancelled" not in output, output
+    rc, output = _signalled_at_prompt_10(
+        sig, "train-draft", "--target", str(target), "--out", str(out), "--data-dir", str(data),
+        "--layers", "1", "--block-size", "8", "--num-capture", "3", "--seqs-per-batch", "2",
+        "--anchors-per-seq", "4", "--max-len", "64", "--num-prompts", "6", "--max-new-tokens", "16",
+        "--gen-batch-size", "6", "--dtype", "float32", "--no-compile", "--total-steps", "2",
+        "--eval-prompts", "40", "--eval-max-tokens", "24")
+    assert rc == 130 and "Traceback" not in output and "cancelled" not in output, output
     assert "held-out evaluation stopped after" in output, output
     summary = json.loads((out / "train_summary.json").read_text())
     done = summary["heldout_prompts"]

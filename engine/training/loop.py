@@ -37,13 +37,13 @@ import numpy as np
 from .. import draftvocab
 from ..draft import DFlashDraft, DraftConfig, save_draft
 from ..drafters import check_fit
+from ..launch import sigterm_stops
 from ..target import TargetModel, default_layer_ids
 from . import checkpoint as ck
 from .checks import ARCH_OPTIONS, preflight
 from . import data as td
 from .grow import grow
 from .objective import block_loss, cast_tree, default_gamma, position_weights, target_pass
-from ..launch import sigterm_stops
 from .report import EvalInterrupted, evaluate, write_model_card
 from .vocab import rank_samples
 from .schedule import Schedule, warmup_steps_for

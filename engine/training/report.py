@@ -237,7 +237,8 @@ def _eval_cli():
     @click.option("--out", default=None, help="Write the report (JSON) here.")
     def eval_draft_command(target, draft, max_tokens, n_prompts, heldout_file, dtype, window, rows, out):
         """Held-out acceptance, tau and acceptance curve of the --draft on the --target (greedy;
-        every cycle verifies the whole block, or --window tokens). Ctrl-C cancels (exit 130)."""
+        every cycle verifies the whole block, or --window tokens). Ctrl-C or SIGTERM stops it
+        (exit 130); with --out, the report of the prompts that finished is written first."""
         import sys
 
         from ..launch import sigterm_stops
