@@ -92,6 +92,16 @@ if [ -z "$AB" ] && done_bg && grep -q '^Traceback' "$LOG"; then
   if [ -f /tmp/ph_train ]; then rm -f /tmp/ph_train; else rm -f /tmp/ph_data; fi
   echo TRAIN_DONE > "$LOG"; echo "== .devq/env changed: the phase that failed runs again"
 fi
+# an A/B arm that stopped on an error (session 40: both arms ran an H100 out of memory at their
+# first step, and the next call packed their empty runs as if they had finished): say so, stop
+if [ -n "$AB" ] && [ -f /tmp/ph_train ] && [ ! -f /tmp/ph_pack ] && train_done; then
+  for arm in 0 1; do
+    if grep -q '^Traceback' /tmp/arm$arm.log; then
+      echo "== FAILED: arm $arm stopped on an error (/tmp/arm$arm.log); change .devq/env and start the train phase again (rm /tmp/ph_train)"
+      grep -v '^ ' /tmp/arm$arm.log | tail -n 4; exit 3
+    fi
+  done
+fi
 phase=wait
 if [ ! -f /tmp/ph_data ]; then phase=data
 elif done_bg && [ ! -f /tmp/ph_train ]; then phase=train
