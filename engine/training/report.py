@@ -13,12 +13,17 @@ Log = Callable[[str], None]
 
 
 class EvalInterrupted(KeyboardInterrupt):
-    """Ctrl-C or SIGTERM during `evaluate`: `report` covers the `done` prompts that finished
-    (the one in flight is left out whole), so an evaluation stopped by `timeout` keeps them."""
+    """Ctrl-C or SIGTERM during `evaluate`: `report` covers the prompts that finished (the one
+    in flight is left out whole), so an evaluation stopped by `timeout` keeps them."""
 
-    def __init__(self, report: dict[str, Any], done: int):
-        super().__init__(f"{done} prompts evaluated")
-        self.report, self.done = report, done
+    def __init__(self, report: dict[str, Any]):
+        super().__init__("held-out evaluation stopped")
+        self.report = report
+
+    @property
+    def done(self) -> int:
+        """How many prompts finished (the report's own count)."""
+        return self.report.get("overall", {}).get("prompts", 0)
 
 
 def evaluate(
@@ -59,18 +64,17 @@ def evaluate(
     sums: dict[str, dict[str, Any]] = {}
     by_pos: dict[int, list[int]] = {}  # 16-token stretch -> [cycles, accepted drafts]
     every, t0 = max(1, len(samples) // 8), time.perf_counter()  # progress: ~8 lines, not silence
-    done = 0
     try:
         for n_done, s in enumerate(samples, 1):
             _one_prompt(target, drafter, tokenizer, s, max_tokens, window, rows, sums, by_pos, answers)
-            done = n_done
             if n_done % every == 0 and n_done < len(samples):
                 o = sums["overall"]
                 log(f"[eval] {n_done}/{len(samples)} prompts | acceptance so far "
                     f"{o['acc'] / max(o['gen'], 1):.1%} | {time.perf_counter() - t0:.0f}s")
     except KeyboardInterrupt:
+        done = sums.get("overall", {}).get("n", 0)
         log(f"[eval] stopped after {done} of {len(samples)} prompts: the report covers those")
-        raise EvalInterrupted(_report(sums, by_pos, log), done) from None
+        raise EvalInterrupted(_report(sums, by_pos, log)) from None
     return _report(sums, by_pos, log)
 
 
