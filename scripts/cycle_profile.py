@@ -34,7 +34,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from dflash.engine import generate as gen
-from dflash.engine import lookup, rollback, window
+from dflash.engine import accel, lookup, rollback, window
 from dflash.engine.bench.environment import hardware_info, versions
 from dflash.engine.bench.setup import CHAT_QUESTIONS, text_prompt_ids
 from dflash.engine.loading import load_pair
@@ -166,6 +166,7 @@ def main() -> None:
     ap.add_argument("--window", default="auto", help="verify window for the profiled runs (auto, full, N)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    accel.maybe_reexec()  # MKL on the CPU, as `dflash generate` runs (without it: the BLAS trap)
 
     lengths = _lengths(ap, a.contexts)
     pair = load_pair(a.model, a.draft, dtype=a.dtype)
