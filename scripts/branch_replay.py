@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from dflash.engine import branches
+from dflash.engine import accel, branches
 from dflash.engine.draft import load_draft
 from dflash.engine.loading import draft_dtype
 from dflash.engine.target import TargetModel
@@ -91,6 +91,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    accel.maybe_reexec()  # MKL on the CPU, as dflash's commands run (without it: the BLAS trap)
     result = replay(args)
     print(json.dumps(result, indent=1))
     if args.out:

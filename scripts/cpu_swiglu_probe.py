@@ -19,7 +19,7 @@ import time
 
 import mlx.core as mx
 
-from dflash.engine import verifyattn
+from dflash.engine import accel, verifyattn
 from dflash.engine.loading import load_pair
 
 
@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    accel.maybe_reexec()  # MKL on the CPU, as dflash's commands run (without it: the BLAS trap)
 
     pair = load_pair(args.model, None, dtype="float32")
     target = pair.target

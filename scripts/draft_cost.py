@@ -18,6 +18,7 @@ import time
 
 import mlx.core as mx
 
+from dflash.engine import accel
 from dflash.engine.drafters import DFlashDrafter
 from dflash.engine.loading import load_pair
 from dflash.engine.training.grow import grow
@@ -34,6 +35,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out", default=None, help="write the medians as JSON here")
     a = ap.parse_args()
+    accel.maybe_reexec()  # MKL on the CPU, as dflash's commands run (without it: the BLAS trap)
     pair = load_pair(a.model, a.draft)
     target, base = pair.target, pair.drafter
     vocab = None if base.head is None else base.head.ids.tolist()  # the pair's own subset

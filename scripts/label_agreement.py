@@ -20,6 +20,8 @@ import random
 import mlx.core as mx
 from mlx_lm import load
 
+from dflash.engine import accel
+
 
 def agreement(model, rows: list[dict], max_tokens: int) -> tuple[int, float, float]:
     n = agree = n16 = agree16 = 0
@@ -44,6 +46,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
+    accel.maybe_reexec()  # MKL on the CPU, as dflash's commands run (without it: the BLAS trap)
     model, _ = load(a.model)
     rows = [json.loads(line) for line in open(a.responses)]
     rng = random.Random(a.seed)

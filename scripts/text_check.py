@@ -25,6 +25,7 @@ import json
 import mlx.core as mx
 import numpy as np
 
+from dflash.engine import accel
 from dflash.engine.bench.environment import hardware_info, versions
 from dflash.engine.bench.timing import run_baseline, run_dflash
 from dflash.engine.loading import load_pair
@@ -61,6 +62,7 @@ def main() -> None:
     ap.add_argument("--windows", default="full,auto")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    accel.maybe_reexec()  # MKL on the CPU, as dflash's commands run (without it: the BLAS trap)
     from arms_ab import questions  # the 5 chat questions + held-out prompts, as arms_ab draws them
 
     pair = load_pair(a.model, a.draft, dtype=a.dtype)

@@ -201,6 +201,9 @@ def main() -> None:
                         "re-chosen by the draft's confidence), full, a window k, oracle")
     a = ap.parse_args()
     if a.cmd == "trace":
+        from dflash.engine import accel
+
+        accel.maybe_reexec()  # MKL on the CPU, as dflash's commands run (without it: the BLAS trap)
         res = trace(a.model, a.draft, a.heldout, a.max_tokens, a.dtype)
         Path(a.out).write_text(json.dumps(res))
         return
