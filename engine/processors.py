@@ -30,6 +30,9 @@ import numpy as np
 CONTEXT_SIZE = 20  # mlx-lm's default window for each penalty
 
 
+BIAS_MAX = 1e30  # a logit bias's magnitude: finite in float32 with any logit added to it
+
+
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -53,6 +56,9 @@ def bias_items(logit_bias: Mapping[Any, Any] | None) -> dict[int, float]:
             raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {k!r}")
         if not _finite(v):
             raise ValueError(f"logit_bias values must be finite numbers, got {v!r} for token {tid}")
+        if abs(v) > BIAS_MAX:  # a bias past float32's range is inf there: no distribution left
+            raise ValueError(f"logit_bias values must be within +-{BIAS_MAX:.0e} (logits are float32), "
+                             f"got {v!r} for token {tid}")
         if tid in out:
             raise ValueError(f"logit_bias names token {tid} twice")
         out[tid] = float(v)

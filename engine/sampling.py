@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+F32_MAX = 3.4028234663852886e38  # the largest float32: 1 / temperature is capped there
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -134,11 +136,15 @@ def filter_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
 def scaled_logits(logits: mx.array, params: SamplingParams) -> mx.array:
     """Logits (float32) whose softmax is the sampling distribution: filtered, then divided by the
     temperature. Not normalised when nothing is filtered (softmax does not need it): a plain
-    decode step then costs what mlx-lm's sampler does, not a log-softmax more."""
+    decode step then costs what mlx-lm's sampler does, not a log-softmax more. Shifted so the
+    top is 0 and the scale capped at float32's largest: however small the temperature, no logit
+    overflows to +inf, no row turns wholly -inf and 0 * inf makes no NaN; p is then the T -> 0
+    limit, the argmax."""
     x = logits.astype(mx.float32)
     if filters(params, x.shape[-1]):
         x = filter_logprobs(x, params)
-    return x * (1.0 / params.temperature)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x * min(1.0 / params.temperature, F32_MAX)
 
 
 def filters(params: SamplingParams, vocab: int) -> bool:

@@ -111,6 +111,8 @@ def test_rows_equal_mlx_lm_processors():
         (dict(logit_bias={-1: 1.0}), "logit_bias"),
         (dict(logit_bias={"x": 1.0}), "logit_bias"),
         (dict(logit_bias={3: float("nan")}), "logit_bias"),
+        (dict(logit_bias={3: 1e39}), "within"),  # finite in Python, inf in float32
+        (dict(logit_bias={3: -1e31}), "within"),
         (dict(logit_bias={10**9: 1.0}), "outside the vocabulary"),
         (dict(logit_bias=[1, 2]), "logit_bias"),
         (dict(repetition_penalty=0.0), "repetition_penalty"),

@@ -298,3 +298,40 @@ def test_accept_rule_edges():
     a = [keys.next().tolist() for _ in range(3)]
     keys = sampling.KeyChain(3)
     assert a == [keys.next().tolist() for _ in range(3)] and a[0] != a[1]
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+@pytest.mark.parametrize("temperature", [1e-3, 1e-20, 1e-37, 1e-38, 5e-39, 1e-45])
+def test_tiny_temperatures_draw_the_argmax(temperature, top_p):
+    """However small a positive temperature, p is the T -> 0 limit (one-hot at the argmax here,
+    no ties), never NaN: the scaled logits must not overflow to +inf (raw logits above 0) nor
+    turn a whole row to -inf (a flat row's log-probs). mlx-lm's sampler draws that argmax too
+    wherever its own arithmetic stays finite (the peaked rows)."""
+    peaked = mx.array([[3.0, 12.0, 25.0, -4.0, 0.0, 24.5], [-1.0, 2.0, 1.5, 0.5, 30.0, 29.0]])
+    flat = np.array(mx.random.normal((2, 300), key=mx.random.key(7))) * 0.5
+    flat[[0, 1], [17, 230]] = flat.max() + 0.2  # a clear argmax in a row whose top prob is ~1%
+    flat = mx.array(flat)
+    params = SamplingParams(temperature, top_p)
+    for logits in (peaked, flat):
+        best = mx.argmax(logits, axis=-1)
+        p = sampling.probs(logits, params)
+        assert mx.array_equal(p, (mx.arange(logits.shape[-1]) == best[:, None]).astype(p.dtype)), temperature
+        for s in range(5):
+            assert mx.array_equal(sampling.sample(logits, params, mx.random.key(s)), best)
+    if temperature < 1e-39:  # 1 / temperature is inf in float32: mlx-lm's own arithmetic is NaN
+        return
+    mx.random.seed(0)
+    theirs = make_sampler(temperature, top_p=top_p if top_p < 1 else 0.0)(_logprobs(peaked))
+    assert mx.array_equal(theirs, mx.argmax(peaked, axis=-1))
+
+
+def test_tiny_temperature_run_is_the_greedy_run(pairs):
+    """End to end (first token, plain steps, verified blocks with the draft's q): a temperature of
+    1e-38 decodes the greedy text, where 1 / temperature times a raw logit overflowed to NaN."""
+    pair = pairs("qwen3")
+    ids = pair.tokenizer.encode(PROMPT)
+    greedy, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, 24, verify_window=4)
+    for window in (1, 4):
+        cold, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, 24, verify_window=window,
+                             temperature=1e-38, seed=1)
+        assert cold.token_ids == greedy.token_ids, window
