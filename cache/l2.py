@@ -18,8 +18,9 @@ means the store is not the one they are in (cache/marks.py).
 A put with ack=False gets no reply. A put's reply, ok or not, lists the keys evicted to make room
 for it (`evicted`), so that the worker stops counting its L1 copies of them as stored in L2; a
 reply without the list (an `internal` error) means the worker cannot know what is still stored.
-Bad frames get an error reply (or are dropped when no reply is possible); nothing a client sends
-stops the process.
+Position lists are stored with a crc32 (`_pack_positions`): a damaged one is absent, never
+another list. Bad frames get an error reply (or are dropped when no reply is possible); nothing a
+client sends stops the process.
 Snapshots are other users' prompts' KV state: everything this process creates is private (umask
 077; the store directories are chmod 0700 even when they already existed). A damaged store is
 moved aside and recreated at start-up (cache/repair.py); damage found while serving ends the
@@ -39,8 +40,10 @@ import logging
 import os
 import secrets
 import signal
+import struct
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -60,7 +63,11 @@ DEFAULT_MAX_MESSAGE = 16 << 30
 MAX_POSITIONS = 1 << 22
 MAX_NAME = 200
 SNAP_PREFIX = "snap:"
+_POS_MAGIC = b"DFPL"  # a stored position list: magic | u32 crc32(list) | the list, msgpack
 _LRU = "SELECT key FROM Cache WHERE key != ? ORDER BY access_time LIMIT 10"
+_FILE_OF = "SELECT filename FROM Cache WHERE key = ? AND raw = 1"
+_ROWS_NAMING = "SELECT COUNT(*) FROM Cache WHERE filename = ?"
+_DROP_ROW = "DELETE FROM Cache WHERE key = ? AND raw = 1"  # diskcache's triggers keep count and size
 # The store's id lives in the store's own sqlite file, next to diskcache's tables: it goes with
 # that file (a fresh or repaired store has none yet, and gets a new one), and only with it.
 _ID_TABLE = ("CREATE TABLE IF NOT EXISTS DflashStore "
@@ -159,9 +166,15 @@ class Store:
         return None
 
     def _drop(self, key: str) -> None:
+        """Delete a bad entry; its value file too, unless another row names that file (a damaged
+        index: this row points at another entry's file, which deleting it lost as well)."""
         self.counters["corrupt_dropped"] += 1
         try:
-            self.snaps.delete(key, retry=True)
+            row = self.snaps._sql(_FILE_OF, (key,)).fetchone()
+            if row is not None and row[0] and self.snaps._sql(_ROWS_NAMING, (row[0],)).fetchone()[0] > 1:
+                self.snaps._sql(_DROP_ROW, (key,))  # the file stays with the row it belongs to
+            else:
+                self.snaps.delete(key, retry=True)
         except Exception:
             pass
 
@@ -339,7 +352,7 @@ class Server:
             ):
                 raise _BadRequest(f"positions must be a list of at most {MAX_POSITIONS} ints >= 0")
             try:
-                pos.set(name, msgpack.packb(values), retry=True)
+                pos.set(name, _pack_positions(values), retry=True)
             except Exception as e:
                 self.store.counters["write_errors"] += 1
                 return {"ok": False, "code": "write_failed", "message": str(e)}
@@ -357,8 +370,9 @@ class Server:
     def _position_list(self, name: str, data: bytes) -> list[int] | None:
         """The list stored under `name`; a damaged one is dropped and logged (an absent list,
         not an error that reads as "cache process unavailable")."""
-        if _positions_key(name, data) is not None:
-            return msgpack.unpackb(data)
+        values = _unpack_positions(data)
+        if values is not None:
+            return values
         log.warning("dropping damaged position list %r (not a list of ints >= 0)", name)
         self.store.counters["corrupt_dropped"] += 1
         self.store.positions.delete(name, retry=True)
@@ -398,13 +412,30 @@ def _snapshot_key(key: str | None, data: bytes) -> str | None:
 
 
 def _positions_key(key: str | None, data: bytes) -> str | None:
-    """Salvage: a position list is kept from a readable row whose value is a list of ints >= 0."""
+    """Salvage: a position list is kept from a readable row whose value is an intact list."""
+    return key if key is not None and _unpack_positions(data) is not None else None
+
+
+def _pack_positions(values: list[int]) -> bytes:
+    packed = msgpack.packb(values)
+    return _POS_MAGIC + struct.pack("<I", zlib.crc32(packed)) + packed
+
+
+def _unpack_positions(data: bytes) -> list[int] | None:
+    """The list of ints >= 0 a stored value holds; None when it is damaged. Checked: a list with
+    one bit flipped is still a list of ints, and it was served as the stored one. Lists stored
+    before the check (a bare msgpack list) are read as they are."""
+    packed = data
+    if data[:4] == _POS_MAGIC:
+        packed = data[8:]
+        if len(data) < 8 or struct.unpack_from("<I", data, 4)[0] != zlib.crc32(packed):
+            return None
     try:
-        values = msgpack.unpackb(data)
+        values = msgpack.unpackb(packed)
     except Exception:
         return None
-    ok = key is not None and isinstance(values, list) and all(type(p) is int and p >= 0 for p in values)
-    return key if ok else None
+    ok = isinstance(values, list) and all(type(p) is int and p >= 0 for p in values)
+    return values if ok else None
 
 
 def _store_id(cache: diskcache.Cache, renew: bool = False) -> str:

@@ -73,11 +73,14 @@ def open_store(path: Path, keep: Keep, *, label: str, **settings: Any) -> tuple[
     aside = _move_aside(path)
     log.error("%s %s is damaged (%s): moved aside to %s, creating a fresh one", label, path, reason, aside)
     cache = diskcache.Cache(str(path), **settings)
-    salvaged = _salvage(aside, cache, keep)
-    note = dict(store=path.name, reason=reason, moved_to=str(aside), salvaged=salvaged,
+    # The note goes in before the salvage too: a process stopped while salvaging (tens of seconds
+    # for a full store) left a copy that no status reported and nothing ever deleted.
+    note = dict(store=path.name, reason=reason, moved_to=str(aside), salvaged="not all",
                 at=time.strftime("%Y-%m-%d %H:%M:%S"))
     (aside / NOTE).write_text(json.dumps(note))
-    log.error("%s %s recreated; %d readable entries salvaged from %s", label, path, salvaged, aside)
+    note["salvaged"] = _salvage(aside, cache, keep)
+    (aside / NOTE).write_text(json.dumps(note))
+    log.error("%s %s recreated; %d readable entries salvaged from %s", label, path, note["salvaged"], aside)
     return cache, note
 
 

@@ -24,11 +24,13 @@ _CONFIG_FILES = ("config.json", "tokenizer_config.json", "generation_config.json
 
 
 def dir_fingerprint(path: str | Path) -> str:
-    """A content hash of a model directory's config files, plus its weight files' names, sizes
-    and modification times. Sizes alone missed weights rewritten in place (a fine-tune saved
-    over the model: same shapes, same sizes), and the old weights' snapshots were restored into
-    the new model: cached output no longer equal to uncached. A copy without its times only
-    costs cold prefills."""
+    """A content hash of a model directory's config files, plus its weight files' names, sizes,
+    modification times and change times. Sizes alone missed weights rewritten in place (a
+    fine-tune saved over the model: same shapes, same sizes), and the old weights' snapshots were
+    restored into the new model: cached output no longer equal to uncached. The modification time
+    alone missed weights replaced by a copy that keeps the old time (`cp -p`, `rsync -a`, `tar x`,
+    a reproducible image build): the change time cannot be set, and any write moves it. A copy,
+    or a chmod, only costs cold prefills."""
     p = Path(path)
     h = hashlib.blake2b(digest_size=16)
     for name in _CONFIG_FILES:
@@ -37,7 +39,7 @@ def dir_fingerprint(path: str | Path) -> str:
             h.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
     for f in sorted(p.glob("*.safetensors")):  # a full weights hash would cost seconds per GB
         st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\0".encode())
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}\0".encode())
     return h.hexdigest()
 
 

@@ -11,10 +11,16 @@ and is dropped. A store SQLite cannot read (a torn or overwritten cache.db) woul
 worker start: it is opened through cache/repair.py like the L2 stores, so it is moved aside as
 `jobs.damaged-<time>` (kept for inspection, with a note `notes` reports) and a fresh one gets
 every job and result that can still be read.
+
+One worker per store: the store is locked while open (`<state_dir>/jobs.lock`). A second daemon
+on the same state dir (another runtime dir, so the worker and supervisor locks there never met
+the first's) recovered the first one's queued jobs as its own and ran them again, on its own
+model; now its worker exits 3 with the reason, which its supervisor shows and does not retry.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import time
 from pathlib import Path
@@ -28,6 +34,7 @@ from dflash.cache import repair
 
 from . import protocol as P
 from .queue import Job
+from .supervisor import write_exit_reason
 
 log = logging.getLogger("dflash.worker")
 _JOB = "job:"
@@ -78,6 +85,7 @@ class JobStore:
     def __init__(self, directory: str | Path, retention_s: float):
         self.directory = Path(directory)
         self.retention_s = retention_s
+        self._lock = _lock(self.directory)  # before repair: a store another worker uses is not ours
         self.cache, note = repair.open_store(self.directory, _keep, label="job store", disk=_MsgpackDisk,
                                              eviction_policy="none")
         if note is not None:
@@ -171,6 +179,7 @@ class JobStore:
 
     def close(self) -> None:
         self.cache.close()
+        self._lock.close()
 
     def _after_salvage(self, note: dict[str, Any]) -> None:
         """A fresh store just got what could be read of a damaged one: results get a new retention
@@ -185,6 +194,23 @@ class JobStore:
         log.warning("job store %s was damaged (%s): moved it to %s; the fresh store kept %d job(s) and %d "
                     "result(s) that could still be read", self.directory, note["reason"], note["moved_to"], jobs,
                     note["salvaged"] - jobs)
+
+
+def _lock(directory: Path):
+    """The open, exclusively locked `<directory>.lock` beside the store (outside it: a damaged
+    store is moved aside whole); exit 3 with the reason when another process holds it."""
+    directory.parent.mkdir(parents=True, exist_ok=True)  # diskcache makes the store's own
+    f = open(directory.parent / f"{directory.name}.lock", "w")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        reason = (f"another worker uses the job store {directory} (a daemon with the same state_dir "
+                  "is running): give each daemon its own state_dir")
+        log.error("%s", reason)
+        write_exit_reason(reason)
+        raise SystemExit(3) from None
+    return f
 
 
 def _record(job: Job) -> dict[str, Any]:

@@ -402,6 +402,8 @@ _LIST_FIELDS = {"quantized": ("keys", "values"), "gdn": ("arrays",)}
 
 
 def _decode_state(st: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(st, dict):  # a checksum-valid body's layer that is no map: corrupt, dropped
+        raise CorruptSnapshot(f"a cache state is not a map but a {type(st).__name__}")
     kind = st.get("kind")
     if kind not in ("rotating", "kv", "quantized", "gdn"):
         raise CorruptSnapshot(f"unknown cache kind {kind!r}")
