@@ -164,6 +164,8 @@ def _bias(v: Any) -> dict[str, float] | None:
     out = {}
     for k, x in v.items():
         key = k if isinstance(k, str) else str(_int(k, "logit_bias token id"))
+        if key in out:  # {5: 1.0, "5": 2.0}: one value was dropped without a word
+            raise E.BadRequestError(P.BAD_SAMPLING, f"logit_bias names token {key} twice", param="logit_bias")
         out[key] = _opt_float(x, f"logit_bias[{key}]")
         if out[key] is None:
             raise TypeError(f"logit_bias[{key}] must be a number, got None")

@@ -244,10 +244,14 @@ class Compute:
             field = next((f for f in ("token_ids", "messages", "text") if req.get(f) is not None), "text")
             return P.Error(code=P.BAD_REQUEST, message=str(e), job_id=job.job_id, param=field), "error"
         except Exception as e:
-            refused = _template_refusal(e)
+            field = next((f for f in ("messages", "text") if req.get(f) is not None), "text")
+            if self._template_args_at_fault(req):  # whatever it raised, it renders without them
+                refused, field = ("the model's chat template fails with these chat template keyword arguments "
+                                  f"(template_args) and renders without them: {type(e).__name__}: {e}"), "template_args"
+            else:
+                refused = _template_refusal(e)
             if refused is None:
                 raise
-            field = next((f for f in ("messages", "text") if req.get(f) is not None), "text")
             return P.Error(code=P.BAD_REQUEST, message=refused, job_id=job.job_id, param=field), "error"
         positions = req.get("positions")
         sparse: dict[str, Any] = {}
@@ -357,6 +361,21 @@ class Compute:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit the model's context of {self.context_tokens} "
                              "tokens (none would be left for the answer): send a shorter prompt")
         return ids
+
+    def _template_args_at_fault(self, req: dict) -> bool:
+        """Whether the request's chat template keyword arguments made its template fail: it renders
+        without them. A value the template cannot use (eos_token: 1 where it adds strings) failed
+        the job as job_failed, an HTTP 500, for the request's mistake rather than the model's."""
+        from dflash.engine.prompting import build_prompt
+
+        if not req.get("template_args"):
+            return False
+        prompt = req.get("messages") if req.get("messages") is not None else req.get("text")
+        try:
+            build_prompt(self.pair.tokenizer, prompt, system=req.get("system"), raw=bool(req.get("raw")))
+        except Exception:
+            return False
+        return True
 
     def memory(self) -> dict[str, int]:
         """MLX's allocator: bytes in live arrays and bytes it keeps cached for reuse (0 before

@@ -124,12 +124,13 @@ PENALTY_FIELDS = ("repetition_penalty", "repetition_context_size", "presence_pen
                   "frequency_penalty", "frequency_context_size")
 PROCESSOR_FIELDS = ("logit_bias", *PENALTY_FIELDS)
 MAX_TOKEN_ID_DIGITS = 20  # 2^64 - 1 has 20: a longer key cannot be a token id
+BIAS_MAX = 1e30  # engine/processors.BIAS_MAX: a larger bias is inf in float32 (the engine refuses it)
 
 
 def processors_problem(values: dict[str, Any]) -> tuple[str, str] | None:
     """(field, message) for the first logits-processor value out of range in `values` (a map of
     PROCESSOR_FIELDS; None or absent = unset), else None. logit_bias maps token ids, as decimal
-    strings (msgpack and JSON map keys), to finite numbers; the vocabulary bounds them at the
+    strings (msgpack and JSON map keys), to numbers within +-BIAS_MAX; the vocabulary bounds them at the
     worker. repetition_penalty > 0 (1 = off), presence/frequency any finite number (0 = off),
     context sizes integers >= 1."""
     def number(v: Any) -> bool:
@@ -139,11 +140,17 @@ def processors_problem(values: dict[str, Any]) -> tuple[str, str] | None:
     if bias is not None:
         if not isinstance(bias, dict):
             return "logit_bias", f"logit_bias must map token ids to numbers, got {type(bias).__name__}"
+        seen: dict[int, str] = {}
         for k, v in bias.items():
             if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= MAX_TOKEN_ID_DIGITS):
                 return "logit_bias", f"logit_bias keys must be token ids (decimal integers >= 0), got {k!r}"
+            if (first := seen.setdefault(int(k), k)) != k:  # "5" and "05": the engine refused it, job_failed
+                return "logit_bias", f"logit_bias names token {int(k)} twice ({first!r} and {k!r})"
             if not number(v):
                 return "logit_bias", f"logit_bias values must be finite numbers, got {v!r} for token {k}"
+            if abs(v) > BIAS_MAX:  # else accepted, then failed as job_failed when the engine refused it
+                return "logit_bias", (f"logit_bias values must be within +-{BIAS_MAX:.0e} (logits are float32), "
+                                      f"got {v!r} for token {k}")
     r = values.get("repetition_penalty")
     if r is not None and not (number(r) and r > 0):
         return "repetition_penalty", f"repetition_penalty must be a finite number > 0 (1 = off), got {r!r}"
@@ -188,7 +195,11 @@ RESERVED_TEMPLATE_ARGS = frozenset({
     "self", "conversation", "messages", "tokenize", "add_generation_prompt", "chat_template", "return_dict",
     "return_tensors", "tools", "documents", "continue_final_message", "padding", "truncation", "max_length",
     "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
-    "raise_exception", "strftime_now"})  # the last two: the helpers transformers gives every template
+    "raise_exception", "strftime_now",  # the helpers transformers gives every template
+    # Jinja's own globals (jinja2.defaults.DEFAULT_NAMESPACE), which a render keyword hides: a
+    # template calling namespace() or range() (Qwen3's, among many) then failed with a TypeError,
+    # job_failed (HTTP 500) for a request's mistake
+    "namespace", "range", "dict", "cycler", "joiner", "lipsum"})
 
 
 def template_args_problem(args: Any) -> str | None:
@@ -228,6 +239,9 @@ def check_submit(sub: "Submit") -> None:
         neg = next((t for t in sub.token_ids if t < 0), None)
         if neg is not None:
             raise ProtocolError(BAD_REQUEST, f"token ids must be >= 0, got {neg}", param="token_ids")
+    template_problem = template_use_problem(sub)
+    if template_problem is not None:
+        raise ProtocolError(BAD_REQUEST, template_problem[1], param=template_problem[0])
     check_sampling(sub.temperature, sub.top_p, sub.top_k, sub.seed, sub.min_p, sub.min_tokens_to_keep)
     problem = processors_problem({k: getattr(sub, k) for k in PROCESSOR_FIELDS})
     if problem is not None:
@@ -238,6 +252,24 @@ def check_submit(sub: "Submit") -> None:
     problem = template_args_problem(sub.template_args)
     if problem is not None:
         raise ProtocolError(BAD_REQUEST, problem, param="template_args")
+
+
+def template_use_problem(sub: "Submit") -> tuple[str, str] | None:
+    """(field, message) for a field that only acts through the chat template on a prompt that
+    does not go through it, else None. `system` and `template_args` with token ids (used as
+    they are) or raw text, and `raw` with messages (always templated), were dropped without a
+    word: the answer came as if they had not been sent."""
+    untemplated = ("token ids, which are used as they are" if sub.token_ids is not None
+                   else "raw text" if sub.raw and sub.text is not None else None)
+    if untemplated is not None:
+        for name in ("system", "template_args"):
+            if getattr(sub, name):
+                return name, (f"{name} goes into the chat template, which a prompt of {untemplated} leaves out: "
+                              f"send the prompt as text or messages, or leave {name} out")
+    if sub.raw and sub.messages is not None:
+        return "raw", ("raw encodes a text prompt without the chat template; messages always go through it: "
+                       "send the prompt as text, or leave raw out")
+    return None
 
 
 def check_types(msg: Any) -> None:
