@@ -5,8 +5,9 @@ Every error is one line on stderr. Exit codes: 0 done, 1 the job failed, 2 usage
 (including a prompt, from stdin or an argument, that is not UTF-8: refused, never guessed at), 3 no
 worker / worker died (a kept job's error prints the `result` command, with this run's --endpoint,
 --config and --timeout), 4 busy (queue full), 5 no such job (or its result expired) or position
-list, 124 the job hit its time limit, 130 Ctrl-C (cancels a `prompt`; `result` only stops waiting).
-`cache clear` exits 1 when the cache process did not answer (L1 was cleared, L2 was not).
+list, 6 the job was cancelled by someone else (`dflash-client cancel`, another client: the text is
+cut short), 124 the job hit its time limit, 130 Ctrl-C (cancels a `prompt`; `result` only stops
+waiting). `cache clear` exits 1 when the cache process did not answer (L1 was cleared, L2 was not).
 """
 
 from __future__ import annotations
@@ -362,6 +363,10 @@ def _finish(res: Result, as_json: bool, show_stats: bool, text_shown: bool | Non
         click.echo(comparison_line(plain, res.stats.get("decode_tps", 0.0)), err=True)
     if res.finish_reason == "timeout":
         sys.exit(124)
+    if res.finish_reason == "cancelled":  # exit 0 let a script take the cut text as the answer
+        click.echo(f"dflash-client: job {res.job_id} was cancelled (dflash-client cancel, or another "
+                   "client): the text is cut short", err=True)
+        sys.exit(6)
 
 
 @main.command()

@@ -125,6 +125,8 @@ PENALTY_FIELDS = ("repetition_penalty", "repetition_context_size", "presence_pen
 PROCESSOR_FIELDS = ("logit_bias", *PENALTY_FIELDS)
 MAX_TOKEN_ID_DIGITS = 20  # 2^64 - 1 has 20: a longer key cannot be a token id
 BIAS_MAX = 1e30  # engine/processors.BIAS_MAX: a larger bias is inf in float32 (the engine refuses it)
+PENALTY_MAX = 1e30  # engine/processors.PENALTY_MAX and REPETITION_MIN: the penalties' float32-safe
+REPETITION_MIN = 1e-30  # ranges (a repetition penalty of 1e-40 is 0 there: garbage draws)
 
 
 def processors_problem(values: dict[str, Any]) -> tuple[str, str] | None:
@@ -154,10 +156,15 @@ def processors_problem(values: dict[str, Any]) -> tuple[str, str] | None:
     r = values.get("repetition_penalty")
     if r is not None and not (number(r) and r > 0):
         return "repetition_penalty", f"repetition_penalty must be a finite number > 0 (1 = off), got {r!r}"
+    if r is not None and not REPETITION_MIN <= r <= PENALTY_MAX:
+        return "repetition_penalty", (f"repetition_penalty must be within {REPETITION_MIN:.0e}..{PENALTY_MAX:.0e} "
+                                      f"(logits are float32), got {r!r}")
     for name in ("presence_penalty", "frequency_penalty"):
         v = values.get(name)
         if v is not None and not number(v):
             return name, f"{name} must be a finite number (0 = off), got {v!r}"
+        if v is not None and abs(v) > PENALTY_MAX:
+            return name, f"{name} must be within +-{PENALTY_MAX:.0e} (logits are float32), got {v!r}"
     for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
         v = values.get(name)
         if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= SEED_MAX):

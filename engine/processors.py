@@ -31,6 +31,11 @@ CONTEXT_SIZE = 20  # mlx-lm's default window for each penalty
 
 
 BIAS_MAX = 1e30  # a logit bias's magnitude: finite in float32 with any logit added to it
+# the penalties' float32-safe ranges: a repetition penalty of 1e-40 is 0 in float32 (a logit
+# divided by it is inf, and the draw garbage); a presence or frequency penalty past 1e30 (times
+# a count) likewise
+PENALTY_MAX = 1e30
+REPETITION_MIN = 1e-30
 
 
 def _finite(v: Any) -> bool:
@@ -101,10 +106,15 @@ class ProcessorParams:
         r = self.repetition_penalty
         if r is not None and not (_finite(r) and r > 0):
             raise ValueError(f"repetition_penalty must be a finite number > 0 (1: off), got {r!r}")
+        if r is not None and not REPETITION_MIN <= r <= PENALTY_MAX:
+            raise ValueError(f"repetition_penalty must be within {REPETITION_MIN:.0e}..{PENALTY_MAX:.0e} "
+                             f"(logits are float32), got {r!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if v is not None and not _finite(v):
                 raise ValueError(f"{name} must be a finite number (0: off), got {v!r}")
+            if v is not None and abs(v) > PENALTY_MAX:
+                raise ValueError(f"{name} must be within +-{PENALTY_MAX:.0e} (logits are float32), got {v!r}")
         for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -206,6 +206,26 @@ def test_cli_ctrl_c_cancels_the_job(daemon, client):
     assert client.stats()["jobs_cancelled"] == before + 1
 
 
+def test_cli_prompt_cancelled_by_another_client_exits_6(daemon, client):
+    """A `prompt` whose job another client cancels printed the cut text and exited 0, so a script
+    took it as the whole answer; now one stderr line says so and the exit code is 6."""
+    _wait_idle(client)
+    cmd = [sys.executable, "-m", "dflash.client.cli", "--endpoint", daemon.endpoint, "prompt", PROMPTS[0], "-m", "4000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        proc.stdout.read(1)  # streaming has begun
+        running = [j for j in client.jobs() if j.get("state") == "running"]
+        assert running, client.jobs()
+        client.cancel(running[0]["job_id"])
+        code = proc.wait(20)
+        err = proc.stderr.read().decode()
+        assert code == 6 and "was cancelled" in err, (code, err)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    _wait_idle(client, timeout=5)
+
+
 def test_a_job_starts_from_what_the_earlier_jobs_window_measured(make_daemon, tiny_pair, monkeypatch):  # noqa: F811
     """The worker keeps one WindowMemory per pair. With the acceptance recalled too (the opt-in
     DFLASH_WINDOW_RECALL_ACCEPTANCE=1; by default only the costs, engine/window.py) its random

@@ -145,9 +145,11 @@ def test_a_bias_the_engine_refuses_is_refused_at_submit(daemon):  # noqa: F811
     """The engine refuses a logit_bias past +-1e30 (infinite in float32); the daemon accepted it
     (any finite number), queued the job and failed it (job_failed: dflash-client exit 1, as for
     a daemon fault). Now bad_sampling at submit, naming logit_bias, by the client and the worker."""
-    from dflash.engine.processors import BIAS_MAX
+    from dflash.engine.processors import BIAS_MAX, PENALTY_MAX, REPETITION_MIN
 
-    assert P.BIAS_MAX == BIAS_MAX  # one rule, the engine's
+    assert (P.BIAS_MAX, P.PENALTY_MAX, P.REPETITION_MIN) == (BIAS_MAX, PENALTY_MAX, REPETITION_MIN)  # the engine's
+    for field, value in (("repetition_penalty", 1e-40), ("presence_penalty", 1e31), ("frequency_penalty", -1e31)):
+        assert P.processors_problem({field: value})[0] == field
     with daemon.client(timeout=20) as c:
         with pytest.raises(BadRequestError) as exc:
             c.generate("hi", max_tokens=3, logit_bias={5: -1e31})

@@ -117,6 +117,10 @@ def test_rows_equal_mlx_lm_processors():
         (dict(logit_bias=[1, 2]), "logit_bias"),
         (dict(repetition_penalty=0.0), "repetition_penalty"),
         (dict(repetition_penalty=-1.0), "repetition_penalty"),
+        (dict(repetition_penalty=1e-40), "within"),  # 0 in float32: a logit over it is inf
+        (dict(repetition_penalty=1e31), "within"),
+        (dict(presence_penalty=-1e31), "within"),
+        (dict(frequency_penalty=1e31), "within"),
         (dict(presence_penalty=float("inf")), "presence_penalty"),
         (dict(frequency_penalty="1"), "frequency_penalty"),
         (dict(repetition_context_size=0), "repetition_context_size"),
