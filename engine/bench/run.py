@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .. import accel, rollback
-from ..launch import sigterm_stops
+from ..launch import stops_once
 from .results import _mode_line, _result, _write, results_folder
 from .rows import (
     Bench,
@@ -73,7 +73,7 @@ def run_benchmark(cfg: BenchConfig, log: Log = print) -> tuple[dict, Path]:
     finished rows, and every finished timed run) and raises Interrupted with its path."""
     check_config(cfg)
     text = prompt_text(cfg)
-    with results_folder(cfg.out), sigterm_stops():
+    with results_folder(cfg.out), stops_once():
         if cfg.process_per_run:
             from .apart import run_apart
 

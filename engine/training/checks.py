@@ -27,6 +27,8 @@ def check_out(out: str, resume: str | bool | None) -> None:
     if resume is True or (resume and Path(resume).resolve() == ckpt.resolve()):
         return  # a resume into its own folder continues (and rewrites) that campaign
     trainer = load_trainer(ckpt)
+    if trainer is not None and resume and Path(resume).resolve() == Path(out).resolve():
+        raise ValueError(f"--resume {resume} is the run's folder, not its checkpoint: pass --resume {ckpt}")
     if trainer is not None and resume:
         raise ValueError(f"{ckpt} already holds another campaign at step {trainer['step']}: "
                          f"resuming {resume} would overwrite it; choose another --out")
@@ -81,12 +83,37 @@ def check_resume_steps(resume: str, total_steps: int | None) -> None:
     """Refuse a resume with no step left to train (it would rewrite the draft for nothing)."""
     trainer = load_trainer(resume)
     if trainer is None:
-        raise ValueError(f"--resume {resume}: no trainer.json (not a training checkpoint)")
+        inner = Path(resume) / "checkpoint"
+        hint = f"; {inner} is one: pass --resume {inner}" if (inner / "trainer.json").is_file() else ""
+        raise ValueError(f"--resume {resume}: no trainer.json (not a training checkpoint{hint})")
     step = trainer["step"]
     total = total_steps or int(trainer.get("schedule", {}).get("total_steps", 0))
     if step >= total:
         raise ValueError(f"the checkpoint {resume} is at step {step} of {total}: pass a "
                          f"--total-steps above {step} to continue")
+
+
+def check_resume_again(resume: str, grow: bool, restart_lr: float | None) -> list[str]:
+    """A resume of a session that was cut short (Ctrl-C, SIGTERM, a kill after a periodic
+    checkpoint) and had applied --grow-* / --restart-lr at its start already: the same command
+    line given again, as its "continue with --resume" invites, would grow the draft a second
+    time (refused: a shape nobody asked for) or restart the cosine again (allowed, since a new
+    session may mean it, and noted for the log). A session that ended as planned (steps, time
+    budget) may be followed by either."""
+    trainer = load_trainer(resume) or {}
+    sessions = trainer.get("sessions") or [{}]
+    last = sessions[-1] if isinstance(sessions[-1], dict) else {}
+    if "stopped" not in last or last["stopped"] not in (None, "interrupted"):
+        return []  # ended as planned, or written before sessions said how they ended
+    cut = (f"--resume {resume}: the session that saved it (from step {last.get('start_step')}) was cut "
+           f"short at step {trainer['step']}")
+    if grow and last.get("grown"):
+        raise ValueError(f"{cut} and had grown the draft already ({last['grown']}): continue it without "
+                         "--grow-* (given again, it would grow twice)")
+    if restart_lr is not None and last.get("restart_lr"):
+        return [f"[train] note: {cut} after its own --restart-lr {last['restart_lr']:g}: this restarts the "
+                f"cosine again from step {trainer['step']} (to continue that session's, resume without it)"]
+    return []
 
 
 def check_paths(opts: Any) -> None:
@@ -130,4 +157,6 @@ def preflight(opts: Any, explicit_arch: dict[str, Any] | None = None) -> list[st
     if opts.resume:
         check_resume_steps(opts.resume, opts.total_steps)
         check_resume_arch(opts.resume, explicit_arch or {})
+        notes += check_resume_again(opts.resume, bool(opts.grow_layers or opts.grow_mlp or opts.grow_taps),
+                                    opts.restart_lr)
     return notes

@@ -650,7 +650,10 @@ class TokenStore:
                 seqs.append(ids)
                 plens.append(plen)
         if not seqs:
-            raise ValueError("no training sequences with a response: generate more data")
+            cut = [s for s in samples if s.split == "train" and len(s.ids) - len(s.prompt_ids) >= min_response]
+            why = (f": --max-len {max_len} cuts every one before its answer (prompts of "
+                   f"{min(len(s.prompt_ids) for s in cut)}+ tokens)" if cut else ": generate more data")
+            raise ValueError(f"no training sequences with {min_response}+ response tokens{why}")
         lengths = np.array([len(x) for x in seqs], np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         flat = np.fromiter((t for x in seqs for t in x), np.int32, count=int(lengths.sum()))

@@ -37,7 +37,7 @@ import numpy as np
 from .. import draftvocab
 from ..draft import DFlashDraft, DraftConfig, save_draft
 from ..drafters import check_fit
-from ..launch import sigterm_stops
+from ..launch import stops_once
 from ..target import TargetModel, default_layer_ids
 from . import checkpoint as ck
 from .checks import ARCH_OPTIONS, preflight
@@ -289,6 +289,7 @@ def train_draft(opts: TrainOptions, log: Log = print,
     # --- the draft: resumed, seeded from a draft, or new ---------------------------------------
     trainer: dict[str, Any] | None = None
     saved_opt = None
+    grown = ""  # what --grow-* did, recorded in the session (a cut-short session is not grown twice)
     if opts.resume:
         trainer = ck.load_trainer(opts.resume)
         if trainer is None:
@@ -312,9 +313,9 @@ def train_draft(opts: TrainOptions, log: Log = print,
         taps_old = list(draft.config.target_layer_ids)
         draft = grow(draft, opts.grow_layers, opts.grow_mlp or None, opts.grow_taps)
         saved_opt = None  # the moments and masters of the old shape: re-warm-up instead
-        say(f"[train] grown: {n_old} -> {draft.config.num_hidden_layers} layers, MLP {w_old} -> "
-            f"{draft.config.intermediate_size}, capture {taps_old} -> {draft.config.target_layer_ids} "
-            "(the new parts start as the identity: same proposals as before)")
+        grown = (f"{n_old} -> {draft.config.num_hidden_layers} layers, MLP {w_old} -> "
+                 f"{draft.config.intermediate_size}, capture {taps_old} -> {draft.config.target_layer_ids}")
+        say(f"[train] grown: {grown} (the new parts start as the identity: same proposals as before)")
     cfg = draft.config
     if opts.short_block_frac > 0:  # inference may cut blocks this short (drafters.short_block_max)
         dc = cfg.extra.setdefault("dflash_config", {})
@@ -469,7 +470,10 @@ def train_draft(opts: TrainOptions, log: Log = print,
                "seqs_per_batch": opts.seqs_per_batch, "anchors_per_seq": opts.anchors_per_seq,
                "kl_weight": kl_w, "argmax_labels": opts.argmax_labels, "miss_anchor_frac": opts.miss_anchor_frac,
                "early_anchor_frac": opts.early_anchor_frac, "early_anchor_window": opts.early_anchor_window,
-               "short_block_frac": opts.short_block_frac, "short_block_max": opts.short_block_max, "compute_dtype": str(cdt).split(".")[-1]}
+               "short_block_frac": opts.short_block_frac, "short_block_max": opts.short_block_max, "compute_dtype": str(cdt).split(".")[-1],
+               # how the session began and ended (None: still running, the checkpoint is periodic):
+               # checks.check_resume_again reads them
+               "grown": grown or None, "restart_lr": opts.restart_lr if trainer else None, "stopped": None}
     blocks_per_step = opts.seqs_per_batch * opts.anchors_per_seq * dist.size
     history: list[dict[str, Any]] = []
     log_file = (out / "train_log.jsonl").open("a") if dist.main else None
@@ -489,6 +493,12 @@ def train_draft(opts: TrainOptions, log: Log = print,
         }
 
     def save() -> None:
+        # a diverged run must not replace the last good checkpoint with NaN weights (nor publish
+        # them); every rank checks (their weights are the same), so all stop together
+        flat = [v for _, v in tree_flatten(holder["params"])]
+        if not mx.all(mx.stack([mx.all(mx.isfinite(v)) for v in flat])).item():
+            raise ValueError(f"the draft's weights are not finite at step {step}: the training diverged "
+                             f"(a lower --lr?); {ckpt_dir} is left as it was")
         if not dist.main:
             return
         ost = dict(tree_flatten(optimizer.state)) if opts.save_optimizer else None
@@ -580,12 +590,14 @@ def train_draft(opts: TrainOptions, log: Log = print,
         if log_file:
             log_file.close()
         session["compile_s"] = round(t_compile, 2)
+        session["stopped"] = stop_reason
         save()
         say(f"[train] stopped at step {step} ({stop_reason}); this session {step - start_step} steps, "
             f"{t_train:.0f}s + {t_compile:.0f}s compile; checkpoint {ckpt_dir}")
     if stop_reason == "interrupted":
+        again = " and ".join(f for f, on in (("--grow-*", grown), ("--restart-lr", session["restart_lr"])) if on)
         say(f"[train] interrupted: the checkpoint at step {step} is saved in {ckpt_dir} (it loads as a "
-            f"draft); continue with --resume {ckpt_dir}")
+            f"draft); continue with --resume {ckpt_dir}" + (f" and without {again} (applied already)" if again else ""))
 
     # --- the draft in the published format, then the held-out evaluation (rank 0) -----------------
     draft.update(cast_tree(holder["params"], tdt))
@@ -614,7 +626,7 @@ def train_draft(opts: TrainOptions, log: Log = print,
     eval_set = [td.Sample(k, p, td.chat_ids(tokenizer, p), [], "heldout")
                 for k, p in heldout_pairs[:n_eval]]
     try:  # Ctrl-C or SIGTERM here: the draft is saved; the finished prompts are reported
-        with sigterm_stops():
+        with stops_once():
             report = evaluate(target, draft, tokenizer, eval_set, opts.eval_max_tokens, log) if eval_set else {}
     except EvalInterrupted as e:
         report = e.report
@@ -634,6 +646,8 @@ def train_draft(opts: TrainOptions, log: Log = print,
 # --- CLI -----------------------------------------------------------------------------------------
 def _cli():
     import click
+
+    from ..bench.cli import finite_option  # nan passes click's float ranges, inf is no budget
 
     def _layer_list(ctx, param, value: str) -> list[int]:
         try:
@@ -666,25 +680,25 @@ def _cli():
     @click.option("--resume", default=None, help="Continue the campaign of this checkpoint folder (OUT/checkpoint of a previous run).")
     @click.option("--total-steps", default=None, type=click.IntRange(1), help="The campaign's length: the cosine ends here (default --max-steps, else 10000; a resume keeps its own unless given).")
     @click.option("--max-steps", default=None, type=click.IntRange(1), help="Stop THIS session after this many steps.")
-    @click.option("--time-budget-s", default=None, type=click.FloatRange(min=0, min_open=True), help="Stop THIS session after this much training time (compile steps not counted).")
+    @click.option("--time-budget-s", default=None, callback=finite_option, type=click.FloatRange(min=0, min_open=True), help="Stop THIS session after this much training time (compile steps not counted).")
     @click.option("--compile-steps", default=2, show_default=True, type=click.IntRange(0), help="First steps timed apart (trace + kernel JIT), before the budget clock.")
     @click.option("--grow-mlp", default=0, show_default=True, type=click.IntRange(0), help="With --resume or --init-draft: widen every MLP to this intermediate size (the new down_proj columns zero: same proposals; engine/training/grow.py); the optimiser re-warms up.")
     @click.option("--grow-taps", default="", callback=_layer_list, help="With --resume or --init-draft: also capture these target layers (comma-separated), fc's new columns zero: same proposals (engine/training/grow.py); the optimiser re-warms up.")
     @click.option("--grow-layers", default=0, show_default=True, type=click.IntRange(0), help="With --resume or --init-draft: append this many layers that start as the identity (output projections zero; engine/training/grow.py); the optimiser re-warms up.")
     @click.option("--rewarmup-steps", default=200, show_default=True, type=click.IntRange(0), help="On --resume without optimiser moments: lr ramps from 0 over this many steps.")
-    @click.option("--restart-lr", default=None, type=click.FloatRange(min=0, min_open=True), help="With --resume and --total-steps: a warm restart, a new cosine from this lr at the resume step to the new total.")
-    @click.option("--lr", default=6e-4, show_default=True, type=click.FloatRange(min=0, min_open=True))
-    @click.option("--warmup", default=0.04, show_default=True, type=click.FloatRange(0), help="Warm-up: a fraction of --total-steps (< 1) or a number of steps.")
-    @click.option("--min-lr-ratio", default=0.05, show_default=True, type=click.FloatRange(0, 1), help="The cosine ends at lr x this.")
-    @click.option("--weight-decay", default=0.01, show_default=True, type=click.FloatRange(0))
-    @click.option("--grad-clip", default=1.0, show_default=True, type=click.FloatRange(min=0, min_open=True))
-    @click.option("--gamma", default=None, type=click.FloatRange(min=0, min_open=True), help="Loss decay over block positions (default 7 for B=16).")
-    @click.option("--kl-weight", default=0.0, show_default=True, type=click.FloatRange(0, 1), help="loss = (1-a) CE + a KL(target || draft).")
+    @click.option("--restart-lr", default=None, callback=finite_option, type=click.FloatRange(min=0, min_open=True), help="With --resume and --total-steps: a warm restart, a new cosine from this lr at the resume step to the new total.")
+    @click.option("--lr", default=6e-4, show_default=True, callback=finite_option, type=click.FloatRange(min=0, min_open=True))
+    @click.option("--warmup", default=0.04, show_default=True, callback=finite_option, type=click.FloatRange(0), help="Warm-up: a fraction of --total-steps (< 1) or a number of steps.")
+    @click.option("--min-lr-ratio", default=0.05, show_default=True, callback=finite_option, type=click.FloatRange(0, 1), help="The cosine ends at lr x this.")
+    @click.option("--weight-decay", default=0.01, show_default=True, callback=finite_option, type=click.FloatRange(0))
+    @click.option("--grad-clip", default=1.0, show_default=True, callback=finite_option, type=click.FloatRange(min=0, min_open=True))
+    @click.option("--gamma", default=None, callback=finite_option, type=click.FloatRange(min=0, min_open=True), help="Loss decay over block positions (default 7 for B=16).")
+    @click.option("--kl-weight", default=0.0, show_default=True, callback=finite_option, type=click.FloatRange(0, 1), help="loss = (1-a) CE + a KL(target || draft).")
     @click.option("--argmax-labels", is_flag=True, help="Train on the target's own argmax at every block row (what a greedy verify checks) instead of the data's token (a sampled answer's token is not the argmax 28.5% of the time).")
-    @click.option("--miss-anchor-frac", default=0.0, show_default=True, type=click.FloatRange(0, 1), help="Share of anchors placed where the draft's next block would start after a miss (data.MissMemory).")
-    @click.option("--early-anchor-frac", default=0.0, show_default=True, type=click.FloatRange(0, 1), help="Share of anchors placed inside the first --early-anchor-window response tokens (where answers start; the rest stay uniform).")
+    @click.option("--miss-anchor-frac", default=0.0, show_default=True, callback=finite_option, type=click.FloatRange(0, 1), help="Share of anchors placed where the draft's next block would start after a miss (data.MissMemory).")
+    @click.option("--early-anchor-frac", default=0.0, show_default=True, callback=finite_option, type=click.FloatRange(0, 1), help="Share of anchors placed inside the first --early-anchor-window response tokens (where answers start; the rest stay uniform).")
     @click.option("--early-anchor-window", default=128, show_default=True, type=click.IntRange(1), help="Response tokens counted as an answer's start for --early-anchor-frac.")
-    @click.option("--short-block-frac", default=0.0, show_default=True, type=click.FloatRange(0, 1), help="Share of blocks trained cut short, [anchor, MASK x (n-1)] with n in 2..--short-block-max: the block a short verify window runs, so its draft pass is cheaper (the draft's config records it; engine/drafters.py).")
+    @click.option("--short-block-frac", default=0.0, show_default=True, callback=finite_option, type=click.FloatRange(0, 1), help="Share of blocks trained cut short, [anchor, MASK x (n-1)] with n in 2..--short-block-max: the block a short verify window runs, so its draft pass is cheaper (the draft's config records it; engine/drafters.py).")
     @click.option("--short-block-max", default=4, show_default=True, type=click.IntRange(2), help="The longest cut block for --short-block-frac.")
     @click.option("--seqs-per-batch", default=16, show_default=True, type=click.IntRange(1), help="Sequences per step and rank.")
     @click.option("--anchors-per-seq", default=64, show_default=True, type=click.IntRange(1), help="Blocks per sequence and step.")
@@ -699,16 +713,16 @@ def _cli():
     @click.option("--exclude-prompts", default=None, help="Prompt file whose prompts are not trained on (e.g. earlier sessions' derived prompts: they still seed the new draws, see docs/training.md).")
     @click.option("--heldout-file", default=None, help="Held-out prompts (default: the committed engine/training/heldout_prompts.jsonl).")
     @click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(1))
-    @click.option("--sampled-responses", default=0.0, show_default=True, type=click.FloatRange(0, 1), help="Share of prompts answered by sampling at --response-temperature instead of greedily (which prompts: a hash of their text; cached responses are kept as they are).")
+    @click.option("--sampled-responses", default=0.0, show_default=True, callback=finite_option, type=click.FloatRange(0, 1), help="Share of prompts answered by sampling at --response-temperature instead of greedily (which prompts: a hash of their text; cached responses are kept as they are).")
     @click.option("--train-responses", default="all", show_default=True, type=click.Choice(["all", "greedy", "sampled"]), help="Which cached answers are trained on: greedy ones match what greedy decoding verifies at every block position; sampled ones (--sampled-responses) what sampling meets.")
-    @click.option("--response-temperature", default=0.7, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Temperature of the sampled responses.")
+    @click.option("--response-temperature", default=0.7, show_default=True, callback=finite_option, type=click.FloatRange(min=0, min_open=True), help="Temperature of the sampled responses.")
     @click.option("--gen-batch-size", default=64, show_default=True, type=click.IntRange(1))
     @click.option("--data-only", is_flag=True, help="Generate (or complete) the data cache, then stop.")
     @click.option("--eval-max-tokens", default=128, show_default=True, type=click.IntRange(1))
     @click.option("--eval-prompts", default=None, type=click.IntRange(0), help="Held-out prompts to evaluate (default all; 0: none).")
     @click.option("--ckpt-every", default=500, show_default=True, type=click.IntRange(0), help="Checkpoint every this many steps (0: only at the end).")
     @click.option("--log-every", default=10, show_default=True, type=click.IntRange(1))
-    @click.option("--part-mb", default=15.0, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Checkpoint weight files at most this big (MB).")
+    @click.option("--part-mb", default=15.0, show_default=True, callback=finite_option, type=click.FloatRange(min=0, min_open=True), help="Checkpoint weight files at most this big (MB).")
     @click.option("--save-optimizer", is_flag=True, help="Also keep AdamW moments + fp32 masters (too big to bring back from a lent GPU).")
     @click.pass_context
     def train_draft_command(ctx: click.Context, **kw):

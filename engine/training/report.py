@@ -53,7 +53,7 @@ def evaluate(
     prompts pull tau up or down, and what the target wrote in this dtype (fp32 and bf16 greedy
     answers are different texts, which is what an fp32-vs-bf16 evaluation compares).
 
-    Ctrl-C (or SIGTERM under `launch.sigterm_stops`) raises EvalInterrupted with the report of
+    Ctrl-C (or SIGTERM under `launch.stops_once`) raises EvalInterrupted with the report of
     the prompts that finished.
     """
     import time
@@ -245,10 +245,10 @@ def _eval_cli():
         (exit 130); with --out, the report of the prompts that finished is written first."""
         import sys
 
-        from ..launch import sigterm_stops
+        from ..launch import stops_once  # a second Ctrl-C while the report is written: ignored
 
         try:
-            with sigterm_stops():
+            with stops_once():
                 _eval_draft(target, draft, max_tokens, n_prompts, heldout_file, dtype, window, rows, out)
         except KeyboardInterrupt as e:
             if isinstance(e, EvalInterrupted) and out and e.done:
@@ -274,6 +274,8 @@ def _eval_cli():
         from .checkpoint import read_draft
 
         check_report_path(out)  # before minutes of evaluation, not after
+        if out and Path(out).exists():  # said before the evaluation, while Ctrl-C still keeps it
+            click.echo(f"[eval] {out} exists: this evaluation's report will replace it", err=True)
         try:
             model, tokenizer = load(resolve_model(target))
             dt = dtype or ("bfloat16" if mx.default_device() == mx.gpu else "float32")

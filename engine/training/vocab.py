@@ -34,10 +34,11 @@ def draft_vocab_command(data_dir, draft, size, responses):
     """Rank the target's answer tokens by frequency into DRAFT/draft_vocab.json."""
     if not (Path(draft) / "config.json").is_file():
         raise click.ClickException(f"no draft in {draft} (no config.json)")
+    had = (Path(draft) / draftvocab.FILE).is_file()
     try:
         ranked, total, n = rank_cache(data_dir, responses)
         path = draftvocab.write(draft, ranked, size, f"{n} {responses} responses of {data_dir}", total)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
-    click.echo(f"{path}: {len(ranked)} distinct tokens ranked from {total} answer tokens of {n} "
-               f"responses; default size {size or 'all'}")
+    click.echo(f"{path}{' (replaced the earlier one)' if had else ''}: {len(ranked)} distinct tokens "
+               f"ranked from {total} answer tokens of {n} responses; default size {size or 'all'}")
