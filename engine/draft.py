@@ -75,6 +75,8 @@ class DraftConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DraftConfig":
+        if not isinstance(d, dict) or "dflash_config" not in d:
+            raise ValueError("not a DFlash draft: its config.json has no dflash_config")
         dc = d.get("dflash_config") or {}
         missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dc]
         if missing:
@@ -91,6 +93,12 @@ class DraftConfig:
         if not dc["target_layer_ids"]:
             raise ValueError("draft config.json: dflash_config.target_layer_ids is empty (the draft reads "
                              "no target layer)")
+        ids, mask = dc["target_layer_ids"], dc["mask_token_id"]
+        if not isinstance(ids, list) or not all(_is_int(i) and i >= 0 for i in ids):
+            raise ValueError(f"draft config.json: dflash_config.target_layer_ids must be a list of layer "
+                             f"numbers >= 0, got {ids!r}")
+        if not _is_int(mask):
+            raise ValueError(f"draft config.json: dflash_config.mask_token_id must be a token id, got {mask!r}")
         unsupported = []
         if d.get("attention_bias"):
             unsupported.append("attention_bias: true")
@@ -284,6 +292,10 @@ class DFlashDraft(nn.Module):
         return self.norm(h)
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 _ROWS = re.compile(r"(.*)\.__rows(\d+)of(\d+)")  # a tensor split by rows into checkpoint parts
 
 
@@ -312,15 +324,26 @@ def load_draft(path: str | Path, dtype: mx.Dtype | None = None) -> DFlashDraft:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"no config.json in draft directory {path}")
-    raw = json.loads(cfg_file.read_text())
-    cfg = DraftConfig.from_dict(raw)
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{cfg_file} is not readable JSON ({e})") from None
+    try:
+        cfg = DraftConfig.from_dict(raw)
+    except KeyError as e:
+        raise ValueError(f"{path}: draft config.json lacks {e}") from None
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e}") from None
     model = DFlashDraft(cfg)
     files = sorted(glob.glob(str(path / "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in draft directory {path}")
     weights: dict[str, mx.array] = {}
     for f in files:
-        weights.update(mx.load(f))
+        try:
+            weights.update(mx.load(f))
+        except RuntimeError as e:  # cut short, or a link to a removed file: MLX's bare RuntimeError
+            raise ValueError(f"{path}: damaged draft files ({str(e).splitlines()[0]})") from None
     weights = {k.removeprefix("model."): v for k, v in join_rows(weights).items()}
     weights = {k: v for k, v in weights.items() if not k.startswith(("embed_tokens", "lm_head"))}
     quant = raw.get("quantization")
@@ -331,7 +354,12 @@ def load_draft(path: str | Path, dtype: mx.Dtype | None = None) -> DFlashDraft:
             bits=quant["bits"],
             class_predicate=lambda p, m: f"{p}.scales" in weights,
         )
-    model.load_weights(list(weights.items()), strict=True)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        reason = " ".join(str(e).split())
+        raise ValueError(f"{path}: the draft's weights do not match its config.json "
+                         f"({reason if len(reason) <= 200 else reason[:200] + '...'})") from None
     if dtype is not None and not quant:
         model.set_dtype(dtype)
     model.eval()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -70,17 +71,71 @@ def resolve_model(model: str | Path) -> str:
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{model} is not a model directory (it has no config.json); "
                                      "`dflash import` makes one")
+        _check_config(path, model)
         return str(path)
     if path.exists():
-        raise ModelNotFoundError(f"{model} is a file, not a model directory")
+        hint = f"; `dflash import {model} --out DIR` makes one from it" if path.suffix.lower() == ".gguf" else ""
+        raise ModelNotFoundError(f"{model} is a file, not a model directory{hint}")
     text = str(model)
     if _REPO_ID.fullmatch(text):
         snap = hf_cache_dir(text)
         if snap is not None:
+            _check_config(snap, model)
             return str(snap)
         raise ModelNotFoundError(f"model {text} not found: no such directory, and no such repo in the "
                                  "local Hugging Face cache (dflash never downloads)")
     raise ModelNotFoundError(f"model directory not found: {text}")
+
+
+def _check_config(path: Path, model: str | Path) -> None:
+    """Refuse a config.json mlx-lm would crash on (cut short, not a JSON object) and a DFlash
+    draft given as the target, naming the file."""
+    cfg_file = path / "config.json"
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ModelNotFoundError(f"{cfg_file} is not readable JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ModelNotFoundError(f"{cfg_file} is not a model config (a JSON object)")
+    if "dflash_config" in cfg:
+        raise ModelNotFoundError(f"{model} is a DFlash draft, not a target model: pass it as --draft "
+                                 "and its target as --model")
+
+
+def _missing_shards(path: Path) -> str | None:
+    """Which weight files the folder's index lists and it lacks (a copy or download cut short),
+    said as a reason; None when it lacks none or has no index."""
+    try:
+        shards = set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    missing = sorted(str(f) for f in shards if not (path / str(f)).is_file())
+    if not missing:
+        return None
+    return (f"it lacks {len(missing)} of the {len(shards)} weight files its model.safetensors.index.json "
+            f"lists ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): copy or download them again")
+
+
+def load_target(local: str, model: str | Path) -> tuple[Any, Any]:
+    """mlx-lm's (model, tokenizer) from the local folder `local` (resolve_model), with a damaged
+    or incomplete folder said in one line naming it: MLX raises a bare RuntimeError for weights
+    cut short, mlx-lm a KeyError or TypeError for a config missing a field."""
+    from mlx_lm import load as mlx_load
+
+    try:
+        model_obj, tokenizer = mlx_load(local)
+    except (RuntimeError, KeyError, TypeError, ValueError) as e:
+        reason = " ".join(str(e).split()) or type(e).__name__
+        if isinstance(e, KeyError):
+            reason = f"config.json lacks {e}"
+        reason = reason if len(reason) <= 200 else reason[:200] + "..."
+        reason = _missing_shards(Path(local)) or reason  # "Missing N parameters" says less
+        raise ValueError(f"model {model} cannot be loaded: {reason}") from None
+    size = getattr(tokenizer, "vocab_size", None)
+    if isinstance(size, int) and size < 2:  # transformers builds an empty tokenizer from nothing
+        raise ValueError(f"model {model} has no tokenizer (tokenizer.json or tokenizer.model); "
+                         "copy its tokenizer files into the folder")
+    return model_obj, tokenizer
 
 
 @dataclass
@@ -101,13 +156,11 @@ def load_pair(
     draft_quant_bits: int | None = None,
 ) -> Pair:
     """Load target + draft; with no draft given, resolve it from the registry of known pairs."""
-    from mlx_lm import load as mlx_load
-
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     local = resolve_model(model)
     draft_path = Path(draft) if draft else resolve_draft(str(model), model_dir=local)
-    model_obj, tokenizer = mlx_load(local)
+    model_obj, tokenizer = load_target(local, model)
     if dtype is not None:
         model_obj.set_dtype(DTYPES[dtype])
     draft_model = load_draft(draft_path, draft_dtype(model_obj, dtype))

@@ -100,8 +100,8 @@ class TargetModel:
         bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(
-                f"capture layer ids {bad} are out of range for a target with "
-                f"{self.num_layers} layers"
+                f"capture layer ids {bad} (the draft's target_layer_ids) are out of range for a "
+                f"target with {self.num_layers} layers: is the draft made for another model?"
             )
         self.layer_ids = list(layer_ids)
         emb = self.inner.embed_tokens
