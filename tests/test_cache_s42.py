@@ -40,17 +40,12 @@ from dflash.daemon.caching import pair_identity
 from dflash.daemon.queue import Job
 from dflash.daemon.store import JobStore
 from dflash.daemon.supervisor import REASON_ENV
-from dflash.engine import tiny
 from dflash.engine.prefix import Snapshot
 from helpers import run_dflash
+from test_cache_walkthrough import _build
 from test_l2 import blob, cache_proc, key  # noqa: F401  (fixture)
 
 PROMPT = "The quick brown fox jumps over the lazy dog, again and again."
-
-
-def _build(d: Path, seed: int) -> None:
-    tiny.build_target(d, "qwen3", seed=seed)
-    tiny.build_draft(d / "draft", d)
 
 
 def test_weights_replaced_with_their_old_times_miss_the_old_snapshots(tmp_path, cache_proc):  # noqa: F811

@@ -12,33 +12,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dflash.engine.tiny import build_target
-from dflash.engine.training import TrainOptions, train_draft
 from dflash.engine.training import data as td
 from dflash.engine.training.loop import train_draft_command
 from dflash.engine.training.report import eval_draft_command
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory) -> Path:
-    return build_target(tmp_path_factory.mktemp("tiny") / "target", "qwen3")
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("data")
-
-
-@pytest.fixture(scope="module")
-def campaign(target: Path, data: Path, tmp_path_factory) -> Path:
-    """A finished 4-step campaign: OUT/checkpoint at step 4 of 4 (read only)."""
-    out = tmp_path_factory.mktemp("camp") / "run"
-    train_draft(TrainOptions(
-        target=str(target), out=str(out), data_dir=str(data), layers=1, block_size=8, num_capture=3,
-        seqs_per_batch=2, anchors_per_seq=4, max_len=64, num_prompts=6, max_new_tokens=16,
-        gen_batch_size=6, eval_prompts=0, log_every=2, ckpt_every=0, dtype="float32",
-        total_steps=4, compile=False), log=lambda s: None)
-    return out
+from test_training_walkthrough import campaign, data, target  # noqa: F401  (fixtures: a tiny target, its data, a 4-step campaign)
 
 
 def _train(target: Path, out: Path, data: Path, *args: str):
