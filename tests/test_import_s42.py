@@ -341,3 +341,19 @@ def test_a_killed_imports_staging_folder_is_cleared_by_the_next(tmp_path):
     out = _dflash(tmp_path, "import", str(src), "--out", "model")
     assert out.returncode == 0, out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ok.gguf", "model", live.name, other.name])
+
+
+@pytest.mark.parametrize("tool", ["train-draft", "eval-draft", "benchmark"])
+def test_the_long_tools_name_a_damaged_target_in_one_line(tiny_dirs, tmp_path, tool):
+    """train-draft, eval-draft and benchmark loaded the target through mlx-lm themselves: weights
+    cut short were a RuntimeError traceback there. They load it as load_pair does now."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dirs["qwen3"], model)
+    _cut(model / "model.safetensors")
+    args = {"train-draft": ["--target", str(model), "--out", str(tmp_path / "run"), "--max-steps", "1"],
+            "eval-draft": ["--target", str(model), "--draft", str(tiny_dirs["qwen3"] / "draft")],
+            "benchmark": ["--model", str(model), "--draft", str(tiny_dirs["qwen3"] / "draft"), "--max-tokens", "4",
+                          "--repeats", "1", "--out", str(tmp_path / "bench")]}[tool]
+    out = _dflash(tmp_path, tool, *args)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert "cannot be loaded" in out.stderr and str(model) in out.stderr, out.stderr

@@ -280,9 +280,9 @@ def build_setup(cfg: BenchConfig) -> Setup:
         from ..registry import resolve_draft
 
         cfg.draft = str(resolve_draft(cfg.model, model_dir=local))  # clear error when no draft is known
-    from mlx_lm import load as mlx_load
+    from ..loading import load_target
 
-    model, tok = mlx_load(local)
+    model, tok = load_target(local, cfg.model)  # a damaged folder said in one line
     if cfg.dtype:
         model.set_dtype(DTYPES[cfg.dtype])
     draft = None

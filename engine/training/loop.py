@@ -265,9 +265,8 @@ def train_draft(opts: TrainOptions, log: Log = print,
     `explicit_arch`: the architecture options a user typed, refused when a resume contradicts them."""
     from mlx.utils import tree_flatten, tree_unflatten
     import mlx.optimizers as optim
-    from mlx_lm import load as mlx_load
 
-    from ..loading import resolve_model
+    from ..loading import load_target, resolve_model
 
     notes = preflight(opts, explicit_arch)  # before any model load or write
     t_begin = time.perf_counter()
@@ -282,7 +281,7 @@ def train_draft(opts: TrainOptions, log: Log = print,
     tdt, cdt = _dtype(opts.dtype, on_gpu), _dtype(opts.compute_dtype, on_gpu)
     mx.random.seed(opts.seed)
 
-    model, tokenizer = mlx_load(resolve_model(opts.target))
+    model, tokenizer = load_target(resolve_model(opts.target), opts.target)  # damage said in one line
     model.set_dtype(tdt)
     model.eval()
 

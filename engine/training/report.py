@@ -265,11 +265,10 @@ def _eval_cli():
         import json
 
         import mlx.core as mx
-        from mlx_lm import load
 
         from .. import draftvocab
         from ..drafters import check_fit, short_block_max
-        from ..loading import draft_dtype, resolve_model
+        from ..loading import draft_dtype, load_target, resolve_model
         from . import data as td
         from .checkpoint import read_draft
 
@@ -277,7 +276,7 @@ def _eval_cli():
         if out and Path(out).exists():  # said before the evaluation, while Ctrl-C still keeps it
             click.echo(f"[eval] {out} exists: this evaluation's report will replace it", err=True)
         try:
-            model, tokenizer = load(resolve_model(target))
+            model, tokenizer = load_target(resolve_model(target), target)
             dt = dtype or ("bfloat16" if mx.default_device() == mx.gpu else "float32")
             model.set_dtype(getattr(mx, dt))
             d = read_draft(draft, draft_dtype(model, None))
