@@ -243,3 +243,21 @@ def test_a_max_len_shorter_than_every_prompt_is_named(target: Path, campaign: Pa
     r = _train(target, tmp_path / "o", data, "--block-size", "8", "--num-capture", "3", "--max-len", "8",
                "--max-steps", "1")
     assert r.exit_code == 1 and "--max-len 8 cuts every one before its answer" in r.output, r.output
+
+
+def test_another_targets_data_cache_is_said(target: Path, campaign: Path, data: Path, tmp_path: Path):
+    """The data cache is keyed by prompt alone: a tiny llama pointed at the qwen3 campaign's cache
+    trained on the qwen3 target's answers without a word. Now answerer.json names the target
+    that answered (written at the cache's first use) and a different one is warned about; the
+    same target, with a longer answer limit, gets a note only."""
+    from dflash.engine.tiny import build_target
+
+    record = json.loads((data / "answerer.json").read_text())
+    assert record["arch"]["model_type"] == "qwen3" and record["max_new_tokens"] == 16
+    other = build_target(tmp_path / "llama", "llama")
+    new = ["--layers", "1", "--block-size", "8", "--num-capture", "3", "--max-steps", "1"]
+    r = _train(other, tmp_path / "run", data, *new)
+    assert "answered by another target" in r.output, r.output
+    r = _train(target, tmp_path / "run2", data, *new, "--max-new-tokens", "24")
+    assert "another target" not in r.output and "cut at 16 new tokens" in r.output, r.output
+    assert json.loads((data / "answerer.json").read_text()) == record  # the first answerer stays

@@ -9,10 +9,12 @@ data directory so a rerun skips what is done; with N data-parallel ranks each ra
 own shard file and every rank then reads all of them:
     derived_prompts[.RofN].jsonl  prompts the target wrote (kind "derived")
     responses[.RofN].jsonl        one sample per line: kind, prompt, prompt_ids, response_ids, split
+    answerer.json                 which target answered (architecture, tokenizer) and how long
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import time
@@ -562,6 +564,52 @@ def cached_derived_prompts(
         tmp.replace(path)
     barrier()
     return _all_derived(data_dir)[:n]
+
+
+ANSWERER = "answerer.json"
+_ARCH_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")
+
+
+def answerer_record(model: Any, tokenizer: Any, max_new_tokens: int) -> dict[str, Any]:
+    """What names the target answering a data cache: its architecture's sizes and a hash of its
+    tokenizer's vocabulary (neither weights nor dtype: the campaign answers in bf16 on a GPU what
+    a CPU trains on in fp32), and the answers' length limit."""
+    args = getattr(model, "args", None)
+    arch = {k: getattr(args, k, None) for k in _ARCH_FIELDS}
+    vocab = sorted(tokenizer.get_vocab().items()) if hasattr(tokenizer, "get_vocab") else []
+    digest = hashlib.blake2b(json.dumps(vocab).encode(), digest_size=8).hexdigest()
+    return {"arch": arch, "tokenizer": digest, "max_new_tokens": int(max_new_tokens)}
+
+
+def check_answerer(data_dir: Path, record: dict[str, Any], log: Log, write: bool = True) -> list[str]:
+    """Compare `record` with the target that answered the cache in `data_dir` (answerer.json), say
+    each difference in one line, and return them. Why: the cache is keyed by prompt alone, so a
+    --data-dir (or a resume) of another target's cache trained on that target's answers without
+    a word. A cache without the file (made before session 42, or new) is recorded as this
+    target's (`write`: the main rank). Warned, not refused: the same model converted another way
+    must not cost a lent GPU's session."""
+    path = data_dir / ANSWERER
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        old = None
+    if not isinstance(old, dict):
+        if write:
+            path.write_text(json.dumps(record, indent=1))
+        return []
+    notes = []
+    if old.get("arch") != record["arch"]:
+        notes.append(f"[data] WARNING: {data_dir} was answered by another target ({old.get('arch')}; this "
+                     f"one: {record['arch']}): its answers are not this target's; use another --data-dir")
+    elif old.get("tokenizer") != record["tokenizer"]:
+        notes.append(f"[data] WARNING: {data_dir} was answered through another tokenizer vocabulary: its "
+                     "token ids may not mean this target's tokens; use another --data-dir")
+    if isinstance(old.get("max_new_tokens"), int) and old["max_new_tokens"] != record["max_new_tokens"]:
+        notes.append(f"[data] note: the cached answers were cut at {old['max_new_tokens']} new tokens and are "
+                     f"kept as they are; new ones at {record['max_new_tokens']}")
+    for n in notes:
+        log(n)
+    return notes
 
 
 def load_all_samples(data_dir: Path) -> list[Sample]:

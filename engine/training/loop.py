@@ -340,6 +340,7 @@ def train_draft(opts: TrainOptions, log: Log = print,
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)  # only now: a bad target or draft leaves nothing behind
     data_dir.mkdir(parents=True, exist_ok=True)
+    td.check_answerer(data_dir, td.answerer_record(model, tokenizer, opts.max_new_tokens), say, write=dist.main)
     heldout_pairs = td.load_heldout(opts.heldout_file)
     held_text = {p for _, p in heldout_pairs}
     # --exclude-prompts: earlier sessions' prompts still count for deriving new ones (their number
