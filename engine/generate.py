@@ -653,15 +653,16 @@ class _Output:
 
     def _cut_at_stop(self) -> bool:
         window = self.text[-self.hold :] + self._raw if self.hold else self._raw
-        for s in self.stop:
-            i = window.find(s)
-            if i >= 0:
-                keep = i - (len(window) - len(self._raw))
-                if keep < 0:  # stop began in already released text: cannot unsay it
-                    keep = 0
-                self._raw = self._raw[:keep]
-                return True
-        return False
+        # the earliest stop in the window, not the first in the list: one segment can hold
+        # several, and a cut at a later one would leave an earlier one in the text
+        found = [i for i in (window.find(s) for s in self.stop) if i >= 0]
+        if not found:
+            return False
+        keep = min(found) - (len(window) - len(self._raw))
+        if keep < 0:  # stop began in already released text: cannot unsay it
+            keep = 0
+        self._raw = self._raw[:keep]
+        return True
 
     def _release_held(self) -> None:
         self._pending_ids.extend(t for t, _ in self._held)
@@ -677,8 +678,14 @@ class _Output:
             self.detok.finalize()
             if not self.stopped_by_string:
                 self._raw += self.detok.last_segment
+                # the flush can write text the detokenizer held (a lone space, a cut character)
+                # that completes a stop string: cut there too, as push does
+                if self.stop and self._cut_at_stop():
+                    self.stopped_by_string = True
+                    if self.reason == "length":
+                        self.reason = "stop"
             self._release_held()  # the flush's ids travel with it
-        release = self._raw if (ending or not self.stop) else self._raw[: len(self._raw) - self.hold]
+        release = self._raw if (ending or not self.stop) else self._raw[: max(len(self._raw) - self.hold, 0)]
         if release or self._pending_ids:
             self._raw = self._raw[len(release) :]
             self.text += release

@@ -220,3 +220,17 @@ def test_daemon_stream_cancelled_mid_character(daemon, bigram):
     assert len(res.token_ids) > 2, f"never cancelled after a byte in {tries}"
     assert set(res.token_ids[2:]) == {t["E2"]}
     assert deltas[-1].token_ids == res.token_ids[2:] and deltas[-1].text == "\ufffd" * (len(res.token_ids) - 2)
+
+
+@pytest.mark.parametrize("max_tokens", [2, 16])  # max_tokens or the EOS ends it
+def test_daemon_stream_stop_string_in_the_final_flush(daemon, bigram, max_tokens):
+    """Q -> a -> 0xF0: the byte's U+FFFD is written by the detokenizer's final flush only, which
+    was never looked at for stop strings: a stop string there stayed in the text."""
+    _, t = bigram
+    with daemon.client(timeout=30) as c:
+        s = c.stream([t["Q"]], max_tokens=max_tokens, verify_window=1, stop=["\ufffd"])
+        deltas = list(s)
+    assert s.result.token_ids == [t["a"], t["F0"]]
+    assert s.result.text == "a" and s.result.finish_reason == "stop"
+    assert "".join(d.text for d in deltas) == "a"
+    assert [x for d in deltas for x in d.token_ids] == s.result.token_ids
