@@ -121,7 +121,17 @@ def test_eval_draft_says_its_report_replaces_an_existing_one(target: Path, campa
     assert json.loads(rep.read_text())["prompts"] == 1
 
 
-def test_a_second_ctrl_c_while_the_benchmark_writes_loses_nothing(target: Path, tmp_path: Path, monkeypatch):
+@pytest.fixture
+def sigint_default():
+    """Ctrl-C as a terminal gives it: a run in the background (CI under nohup, `... &`) starts with
+    SIGINT ignored, which stops_once keeps ignored (as it must), and then no Ctrl-C would stop."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+def test_a_second_ctrl_c_while_the_benchmark_writes_loses_nothing(target: Path, tmp_path: Path, monkeypatch,
+                                                                   sigint_default):
     """A real Ctrl-C after the first timed run, and a second one while the result is gathered.
     Before: the second one quit at once, nothing written, every finished run lost (a real double
     Ctrl-C 5 ms apart did it). Now it is ignored: the JSON is written whole, `interrupted: true`."""
@@ -212,7 +222,7 @@ def test_a_diverged_run_keeps_the_last_good_checkpoint(target: Path, campaign: P
 
 
 def test_a_second_ctrl_c_while_eval_draft_writes_loses_nothing(target: Path, campaign: Path, tmp_path: Path,
-                                                               monkeypatch):
+                                                               monkeypatch, sigint_default):
     """A real Ctrl-C after the first prompt and a second one while its report is made. Before:
     "cancelled (nothing written)", the finished prompts lost."""
     from dflash.engine.training import report
