@@ -397,13 +397,10 @@ class Gateway:
         return resp
 
     # ------------------------------------------------------------------ models, health, metrics
-    async def _model_rows(self, wait: bool = False) -> list[dict]:
-        """The daemon's model rows, kept 5 s. `wait`: a generation's check, which waits for a
-        restarting worker as its submit does (the client's 30 s); the control client's 2 s
-        answered such a request 503 `unavailable` while the supervisor's backoff ran."""
+    async def _model_rows(self) -> list[dict]:
         now = time.monotonic()
         if self._models is None or now - self._models[0] > 5.0:
-            self._models = (now, await (self.client if wait else self.control).models())
+            self._models = (now, await self.control.models())
         return self._models[1]
 
     def _model_id(self, row: dict) -> str:
@@ -411,7 +408,7 @@ class Gateway:
 
     async def _check_model(self, name: str | None) -> str:
         """The model id to answer with; 404 for a model this daemon does not serve."""
-        rows = await self._model_rows(wait=True)
+        rows = await self._model_rows()
         ids = [self._model_id(r) for r in rows]
         if name is None or name in ids or any(name == str(r.get("model")) for r in rows):
             return ids[0] if ids else (name or "dflash")

@@ -53,7 +53,7 @@ class _Server:
     def __init__(self, max_body_bytes: int = 2048):
         self.gw = Gateway("ipc:///nonexistent/dflash-test", DaemonConfig(), max_body_bytes=max_body_bytes)
 
-        async def rows(wait: bool = False):
+        async def rows():
             return [{"model": "/models/tiny"}]
 
         self.gw._model_rows = rows
