@@ -32,7 +32,7 @@ from dflash.client.client import Result
 from dflash.daemon import protocol as P
 
 from . import openai_schema as S
-from . import paths
+from . import paths, supervisor
 from .config import DaemonConfig, is_loopback
 from .gateway_errors import http_exception_error, json_connection_errors, json_error
 from .gateway_metrics import GatewayMetrics
@@ -42,6 +42,10 @@ log = logging.getLogger("dflash.gateway")
 # jobs) and answers them 503 shutting_down; aiohttp's own 60 s (twice over) kept `dflash serve`
 # streaming for minutes after a Ctrl-C, then cut the connections without a word.
 SHUTDOWN_GRACE_S = 1.0
+# Seconds a request that finds no worker waits while the daemon's supervisor restarts it
+# (docs/gateway.md, "When the daemon fails"); the control client's own 2 s is the wait otherwise.
+RESTART_WAIT_S = 30.0
+RESTART_POLL_S = 0.1  # how often supervisor.json is read meanwhile
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # request key: the response whose headers went out (set by on_response_prepare)
 _STARTED: web.RequestKey[web.StreamResponse] = web.RequestKey("dflash_started", web.StreamResponse)
@@ -116,6 +120,7 @@ class Gateway:
                  default_sampling: dict[str, Any] | None = None):
         self.client = AsyncDFlashClient(endpoint, config=cfg, timeout=30.0)
         self.control = AsyncDFlashClient(endpoint, config=cfg, timeout=2.0, retry_interval=1.0)
+        self.endpoint, self.run_dir = endpoint, cfg.runtime_path()  # where the daemon's supervisor says how it is
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.default_max_tokens = default_max_tokens
@@ -400,8 +405,34 @@ class Gateway:
     async def _model_rows(self) -> list[dict]:
         now = time.monotonic()
         if self._models is None or now - self._models[0] > 5.0:
-            self._models = (now, await self.control.models())
+            rows = await self._through_restart(self.control.models)
+            self._models = (time.monotonic(), rows)
         return self._models[1]
+
+    def _worker_state(self) -> str:
+        """The daemon's supervisor's word on its worker (supervisor.worker_state): "running",
+        "restarting" or "gone" (also a daemon with no supervisor in this runtime dir)."""
+        return supervisor.worker_state(self.run_dir, self.endpoint)
+
+    async def _through_restart(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        """A control call that, when no worker answers but the supervisor is restarting it (or one
+        runs that does not answer yet: loading, or dead and not reaped), waits for it up to
+        RESTART_WAIT_S, reading supervisor.json until a worker runs, then asks again. A daemon that
+        is gone is answered at once (WorkerUnavailableError after the control client's 2 s)."""
+        end = time.monotonic() + RESTART_WAIT_S
+        while True:
+            try:
+                return await call()
+            except E.WorkerUnavailableError:
+                state = self._worker_state()
+                if state == "gone" or time.monotonic() >= end:
+                    raise
+                if state == "restarting":
+                    log.info("no worker answered; the supervisor is restarting it: waiting up to %.0fs",
+                             end - time.monotonic())
+                while state == "restarting" and time.monotonic() < end:
+                    await asyncio.sleep(RESTART_POLL_S)
+                    state = self._worker_state()
 
     def _model_id(self, row: dict) -> str:
         return self.model_name or Path(str(row.get("model") or "dflash")).name
@@ -440,8 +471,13 @@ class Gateway:
             return None
 
     async def _health(self, _request: web.Request) -> web.Response:
-        st = await self._daemon_stats()
-        state = st["state"] if st else "unavailable"
+        """200 while the worker is ready; else 503 at once, "restarting" while the supervisor
+        restarts it (a probe must not wait for it as requests do)."""
+        st = None if self._worker_state() == "restarting" else await self._daemon_stats()
+        if st is not None:
+            state = st["state"]
+        else:  # (the worker may have died during the stats call: ask the supervisor again)
+            state = "restarting" if self._worker_state() == "restarting" else "unavailable"
         body = {"status": "ok" if state == "ready" else "unavailable", "worker": state,
                 "queued": st.get("queued") if st else None}
         return web.json_response(body, status=200 if state == "ready" else 503)

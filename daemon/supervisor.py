@@ -94,9 +94,10 @@ class Supervisor:
     def _write_state(self) -> None:
         state = {
             "supervisor_pid": os.getpid(),
+            "endpoint": self.cfg.resolved_endpoint(),  # which daemon this is (worker_state)
             "children": {
                 c.name: {"pid": c.proc.pid if c.proc else None, "restarts": c.restarts, "last_rc": c.last_rc,
-                         "last_error": c.last_error}
+                         "last_error": c.last_error, "done": c.done}
                 for c in self.children
             },
         }
@@ -248,6 +249,21 @@ def read_state(run_dir: Path) -> dict:
         return state if isinstance(state, dict) else {}
     except (OSError, ValueError):
         return {}
+
+
+def worker_state(run_dir: Path, endpoint: str) -> str:
+    """What the live supervisor in `run_dir` says of the worker serving `endpoint`: "running" (a
+    worker process runs: it may be loading, or just died and is not reaped yet), "restarting" (none
+    runs now; the supervisor starts one when its backoff ends), or "gone" (no live supervisor for
+    that endpoint, or one that will not start the worker again). A client that got no answer waits
+    for a worker that is "running" or "restarting" and gives up on one that is "gone"."""
+    sup_pid = live_pid(run_dir)
+    state = read_state(run_dir)
+    worker = state.get("children", {}).get("worker") if isinstance(state.get("children"), dict) else None
+    if sup_pid is None or state.get("supervisor_pid") != sup_pid or state.get("endpoint") != endpoint \
+            or not isinstance(worker, dict) or worker.get("done"):
+        return "gone"
+    return "restarting" if worker.get("pid") is None else "running"
 
 
 def stop_orphans(cfg: DaemonConfig, grace_s: float = 20.0) -> list[str]:
