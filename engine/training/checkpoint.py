@@ -185,3 +185,41 @@ def load_optimizer(folder: str | Path) -> tuple[dict[str, mx.array], dict[str, m
     except RuntimeError as e:  # cut short: MLX's bare RuntimeError reads as a crash
         raise ValueError(f"{d}: damaged optimizer files ({str(e).splitlines()[0]}); "
                          "delete that folder to resume with a fresh optimiser") from None
+
+
+def trim_log(path: str | Path, step: int) -> int:
+    """Drop the records of `path` (train_log.jsonl) past `step`, where this session starts: a run
+    killed after its last checkpoint had logged steps the resume runs again, and appending would
+    log them twice. A record cut short by the kill goes too; the rest stays as it was. The file
+    is swapped whole. Returns how many lines were dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    last = lines.pop()  # b"" after a final newline; else a record cut short (or one that lost only its newline)
+    torn = bool(last) and _record(last) is None
+    if last and not torn:
+        lines.append(last)
+    kept = [line for line in lines if not _past(line, step)]
+    new = b"".join(line + b"\n" for line in kept)
+    if new != data:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(new)
+        os.replace(tmp, path)
+    return len(lines) - len(kept) + torn
+
+
+def _record(line: bytes) -> dict[str, Any] | None:
+    """A log line's record (a JSON object with an integer step), else None."""
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) and isinstance(rec.get("step"), int) else None
+
+
+def _past(line: bytes, step: int) -> bool:
+    """Whether a log line is a record of a step after `step` (a line that is not a record stays)."""
+    rec = _record(line)
+    return rec is not None and rec["step"] > step

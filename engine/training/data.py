@@ -360,12 +360,15 @@ def user_turn_head(tokenizer: Any) -> str:
 def derive_prompts(
     model: Any, tokenizer: Any, n: int, seed: int = 0, batch_size: int = 256,
     max_tokens: int = 48, temperature: float = 1.0, top_k: int = 50, log: Log = print,
+    known: Iterable[str] = (), keep: Callable[[list[tuple[str, str]]], None] | None = None,
 ) -> list[tuple[str, str]]:
     """`n` prompts written by the target itself: a user turn opened with a starter, sampled to its end.
 
     The built-in templates give a few thousand prompts; a draft needs tens of thousands to learn
     the target rather than memorise it. Sampling user turns from the target gives that variety
-    offline. Only turns the model closed itself (a stop token) and of some length are kept.
+    offline. Only turns the model closed itself (a stop token) and of some length are kept, and
+    none of the `known` texts. `keep` gets each batch's new prompts before its progress line, so
+    a run stopped mid-way has kept every prompt it reported (cached_derived_prompts appends them).
     """
     if n <= 0:
         return []
@@ -374,9 +377,9 @@ def derive_prompts(
     head = user_turn_head(tokenizer)
     opening = {s: list(tokenizer.encode(head + s, add_special_tokens=False)) for s in _STARTERS}
     stops = sorted(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
-    seen: set[str] = set()
+    seen: set[str] = set(known)
     out: list[tuple[str, str]] = []
-    t0, attempts = time.perf_counter(), 0
+    t0, attempts, kept = time.perf_counter(), 0, 0
     while len(out) < n and attempts < 4 * n:
         starters = [rng.choice(_STARTERS) for _ in range(batch_size)]
         ids = [opening[s] for s in starters]
@@ -389,6 +392,9 @@ def derive_prompts(
                 continue
             seen.add(text)
             out.append(("derived", text))
+        if keep is not None and len(out) > kept:
+            keep(out[kept:n])
+            kept = min(len(out), n)
         log(f"[data] derived prompts {min(len(out), n)}/{n} ({attempts} sampled, "
             f"{time.perf_counter() - t0:.0f}s)")
     return out[:n]
@@ -526,10 +532,32 @@ def check_exclude_file(path: str | Path, data_dir: Path, size: int) -> None:
             "in the cache still counts for the draws)")
 
 
+def _load_derived(path: Path) -> list[tuple[str, str]]:
+    """A derived-prompt file (load_prompt_file) without an unfinished last JSON line: a kill or a
+    full disk while a batch was appended (the next append of its rank cuts it off)."""
+    from ..prompting import prompt_lines
+
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file of prompts") from None
+    cut = text.rfind("\n") + 1
+    tail = text[cut:].strip()
+    if tail.startswith("{"):
+        try:
+            json.loads(tail)
+        except ValueError:
+            text = text[:cut]
+    try:
+        return prompt_lines(text)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
 def _all_derived(data_dir: Path) -> list[tuple[str, str]]:
     out, seen = [], set()
     for f in sorted(data_dir.glob("derived_prompts*.jsonl")):
-        for k, p in load_prompt_file(f):
+        for k, p in _load_derived(f):
             if p not in seen:
                 seen.add(p)
                 out.append((k, p))
@@ -545,23 +573,27 @@ def cached_derived_prompts(
     Every shard file already there counts (a cache made by any number of ranks); when they hold
     fewer than n, each rank derives its share of the MISSING prompts only (with a seed that also
     depends on how many exist, so new draws are not the cached ones again) and appends them to
-    its own file. Every rank returns the same list: the union of all files in name order,
-    deduplicated. Collective: every rank calls it (barriers keep all reads before any write).
+    its own file batch by batch: a run stopped mid-way (Ctrl-C, SIGTERM, a kill) keeps what it
+    derived and the next run derives only what is still missing. Every rank returns the same
+    list: the union of all files in name order, deduplicated. Collective: every rank calls it
+    (barriers keep all reads before any write).
     """
     if n <= 0:
         return []
+    path = data_dir / shard_name("derived_prompts", rank, size)
+    drop_torn_tail(path)  # an append cut short: the next one must start on its own line
     barrier()
     have = _all_derived(data_dir)
     barrier()
     if len(have) < n:
         share = -(-(n - len(have)) // size)
-        path = data_dir / shard_name("derived_prompts", rank, size)
-        mine = load_prompt_file(path) if path.is_file() else []
-        new = derive_prompts(model, tokenizer, share, seed + 1000 * rank + 1_000_003 * len(have),
-                             batch_size, log=log)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps({"kind": k, "prompt": p}) + "\n" for k, p in mine + new))
-        tmp.replace(path)
+        with path.open("a") as f:
+            def keep(batch: list[tuple[str, str]]) -> None:
+                f.write("".join(json.dumps({"kind": k, "prompt": p}) + "\n" for k, p in batch))
+                f.flush()
+
+            derive_prompts(model, tokenizer, share, seed + 1000 * rank + 1_000_003 * len(have),
+                           batch_size, log=log, known={p for _, p in have}, keep=keep)
     barrier()
     return _all_derived(data_dir)[:n]
 

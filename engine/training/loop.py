@@ -42,6 +42,7 @@ from ..target import TargetModel, default_layer_ids
 from . import checkpoint as ck
 from .checks import ARCH_OPTIONS, preflight
 from . import data as td
+from .budget import Budget
 from .grow import grow
 from .objective import block_loss, cast_tree, default_gamma, position_weights, target_pass
 from .report import EvalInterrupted, evaluate, write_model_card
@@ -214,6 +215,14 @@ class Dist:
             return flag
         return float(mx.distributed.all_sum(mx.array([float(flag)]), group=self.group).item()) > 0
 
+    def share(self, value: float, flag: bool) -> tuple[float, bool]:
+        """Rank 0's `value` and whether any rank's `flag` is set, on every rank (a collective)."""
+        if self.size == 1:
+            return value, flag
+        both = mx.array([value if self.main else 0.0, float(flag)])
+        got, anyone = mx.distributed.all_sum(both, group=self.group).tolist()
+        return got, anyone > 0
+
 
 
 class CtrlC:
@@ -350,8 +359,9 @@ def train_draft(opts: TrainOptions, log: Log = print,
         td.check_exclude_file(opts.exclude_prompts, data_dir, dist.size)
     skip = {p for _, p in td.load_prompt_file(opts.exclude_prompts)} if opts.exclude_prompts else set()
     prompts = td.load_prompt_file(opts.prompts) if opts.prompts else td.builtin_prompts(opts.num_prompts, opts.seed)
-    derived = td.cached_derived_prompts(model, tokenizer, opts.derive_prompts, data_dir, opts.seed,
-                                        opts.gen_batch_size, say, dist.rank, dist.size, dist.barrier)
+    with stops_once():  # SIGTERM too ends in "cancelled" (exit 130): each batch so far is cached
+        derived = td.cached_derived_prompts(model, tokenizer, opts.derive_prompts, data_dir, opts.seed,
+                                            opts.gen_batch_size, say, dist.rank, dist.size, dist.barrier)
     seen: set[str] = set()
     train_prompts = []
     for k, p in prompts + derived:
@@ -476,7 +486,12 @@ def train_draft(opts: TrainOptions, log: Log = print,
                "grown": grown or None, "restart_lr": opts.restart_lr if trainer else None, "stopped": None}
     blocks_per_step = opts.seqs_per_batch * opts.anchors_per_seq * dist.size
     history: list[dict[str, Any]] = []
-    log_file = (out / "train_log.jsonl").open("a") if dist.main else None
+    log_file = None
+    if dist.main:  # records past this session's first step are of steps it runs again (a kill)
+        if dropped := ck.trim_log(out / "train_log.jsonl", step):
+            say(f"[train] train_log.jsonl: {dropped} record(s) past step {step} dropped (this session "
+                "runs those steps again)")
+        log_file = (out / "train_log.jsonl").open("a")
     t_train = 0.0
 
     def trainer_state() -> dict[str, Any]:
@@ -510,6 +525,7 @@ def train_draft(opts: TrainOptions, log: Log = print,
     if opts.max_steps:
         last_step = min(last_step, start_step + opts.max_steps)
     ctrl = CtrlC(say)
+    budget = Budget(opts.time_budget_s, dist.size, dist.share)
 
     def interrupted(at_log: bool) -> bool:
         """Ctrl-C was pressed (on any rank: checked collectively, at log steps only)."""
@@ -532,6 +548,7 @@ def train_draft(opts: TrainOptions, log: Log = print,
         window: list[mx.array] = []
         t_mark = t_start = time.perf_counter()
         s_mark = step
+        budget.start(step)
         stop_reason = ""
         while step < last_step:
             if interrupted(step % opts.log_every == 0):
@@ -541,7 +558,8 @@ def train_draft(opts: TrainOptions, log: Log = print,
             mx.async_eval(res, holder["params"], optimizer.state)
             window.append(res)
             step += 1
-            if step % opts.log_every == 0 or step == last_step:
+            out_of_time = budget.over(step)  # every step; the same on every rank
+            if step % opts.log_every == 0 or step == last_step or out_of_time:
                 vals = np.array(mx.stack(window))
                 if misses is not None:
                     drain_misses()
@@ -576,7 +594,7 @@ def train_draft(opts: TrainOptions, log: Log = print,
                     f"{rec['blocks_per_s']:,.0f} blocks/s ({rec['block_tokens_per_s']:,.0f} block tok/s) | "
                     f"epoch {rec['epoch']:.2f} | {t_train:.0f}s{left}")
                 window, t_mark, s_mark = [], now, step
-                if opts.time_budget_s and dist.any(t_train >= opts.time_budget_s):
+                if out_of_time or (opts.time_budget_s and dist.any(t_train >= opts.time_budget_s)):
                     stop_reason = "time budget"
                     break
             if opts.ckpt_every and step % opts.ckpt_every == 0 and step < last_step:
