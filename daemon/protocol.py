@@ -63,6 +63,44 @@ JOB_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 MAX_NESTING = 32  # lists/maps inside a request field: deeper is refused before it reaches a job
 
 
+def finite_number(v: Any) -> bool:
+    """An int or float that is finite as a float (an int past 1.8e308 is not: math.isfinite
+    raised OverflowError for it, out of a check that should only say no)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+SHOWN_DIGITS = 20  # an error message shows a number of up to this many digits whole
+SHOWN_CHARS = 64  # and other values' text up to this many characters (a job id's longest)
+
+
+def shown(value: Any) -> str:
+    """`value` as an error message echoes it: its repr, with a huge number or a long text cut
+    short ("1000000000000000000…(301 digits)"). A 300-digit seed echoed whole buried the message,
+    and past 4300 digits Python refuses to write an int at all (the check raised ValueError)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        sign = "-" if value < 0 else ""
+        digits = abs(value)
+        if digits < 10**SHOWN_DIGITS:
+            return f"{value!r}"
+        try:
+            text = str(digits)
+        except ValueError:  # past sys.get_int_max_str_digits() (4300): str() refuses it
+            return f"{sign}a number of about {int(digits.bit_length() * math.log10(2)) + 1} digits"
+        return f"{sign}{text[:SHOWN_DIGITS - 1]}…({len(text)} digits)"
+    try:
+        text = repr(value)
+    except ValueError:  # a container holding an int past the 4300 digits
+        return f"a {type(value).__name__}"
+    if len(text) <= SHOWN_CHARS:
+        return text
+    return f"{text[:SHOWN_CHARS - 24]}…({len(text)} characters)"
+
+
 class ProtocolError(Exception):
     """A request that cannot be served; becomes an `Error` reply with this code. `peer_version`:
     the version a `bad_version` message spoke (None otherwise); `param`: the offending field."""
@@ -79,7 +117,7 @@ def version_error(peer: Any, what: str, me: str) -> ProtocolError:
     """The `bad_version` error for a message (`what`) of version `peer`, naming both versions."""
     hint = ("clients and the daemon must come from the same dflash release: upgrade the older one"
             if isinstance(peer, int) and not isinstance(peer, bool) else "not a dflash protocol message")
-    return ProtocolError(BAD_VERSION, f"dflash protocol version mismatch: the {what} is version {peer!r}, "
+    return ProtocolError(BAD_VERSION, f"dflash protocol version mismatch: the {what} is version {shown(peer)}, "
                          f"this {me} speaks version {VERSION} ({hint})", peer_version=peer)
 
 
@@ -96,25 +134,22 @@ def sampling_problem(temperature: Any = None, top_p: Any = None, top_k: Any = No
     0..2^64-1, 0 <= min_p <= 1 (0 = off), min_tokens_to_keep an integer in 1..2^64-1 (1 =
     mlx-lm's default); the same rules as the engine's, checked here so a bad value never reaches
     a job."""
-    def number(v: Any) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
     def integer(v: Any) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 
-    if temperature is not None and not (number(temperature) and temperature >= 0):
-        return "temperature", f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}"
-    if top_p is not None and not (number(top_p) and 0 < top_p <= 1):
-        return "top_p", f"top_p must be in (0, 1] (1 = off), got {top_p!r}"
+    if temperature is not None and not (finite_number(temperature) and temperature >= 0):
+        return "temperature", f"temperature must be a finite number >= 0 (0 = greedy), got {shown(temperature)}"
+    if top_p is not None and not (finite_number(top_p) and 0 < top_p <= 1):
+        return "top_p", f"top_p must be in (0, 1] (1 = off), got {shown(top_p)}"
     if top_k is not None and not (integer(top_k) and top_k >= 0):
-        return "top_k", f"top_k must be an integer >= 0 (0 = off), got {top_k!r}"
+        return "top_k", f"top_k must be an integer >= 0 (0 = off), got {shown(top_k)}"
     if seed is not None and not (integer(seed) and 0 <= seed <= SEED_MAX):
-        return "seed", f"seed must be an integer in 0..2^64-1, got {seed!r}"
-    if min_p is not None and not (number(min_p) and 0 <= min_p <= 1):
-        return "min_p", f"min_p must be in [0, 1] (0 = off), got {min_p!r}"
+        return "seed", f"seed must be an integer in 0..2^64-1, got {shown(seed)}"
+    if min_p is not None and not (finite_number(min_p) and 0 <= min_p <= 1):
+        return "min_p", f"min_p must be in [0, 1] (0 = off), got {shown(min_p)}"
     if min_tokens_to_keep is not None and not (integer(min_tokens_to_keep) and 1 <= min_tokens_to_keep <= SEED_MAX):
         return ("min_tokens_to_keep", "min_tokens_to_keep must be an integer >= 1 (the tokens min-p always keeps; "
-                f"1 = mlx-lm's default), got {min_tokens_to_keep!r}")
+                f"1 = mlx-lm's default; at most 2^64-1), got {shown(min_tokens_to_keep)}")
     return None
 
 
@@ -135,9 +170,6 @@ def processors_problem(values: dict[str, Any]) -> tuple[str, str] | None:
     strings (msgpack and JSON map keys), to numbers within +-BIAS_MAX; the vocabulary bounds them at the
     worker. repetition_penalty > 0 (1 = off), presence/frequency any finite number (0 = off),
     context sizes integers >= 1."""
-    def number(v: Any) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
     bias = values.get("logit_bias")
     if bias is not None:
         if not isinstance(bias, dict):
@@ -145,30 +177,30 @@ def processors_problem(values: dict[str, Any]) -> tuple[str, str] | None:
         seen: dict[int, str] = {}
         for k, v in bias.items():
             if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= MAX_TOKEN_ID_DIGITS):
-                return "logit_bias", f"logit_bias keys must be token ids (decimal integers >= 0), got {k!r}"
+                return "logit_bias", f"logit_bias keys must be token ids (decimal integers >= 0), got {shown(k)}"
             if (first := seen.setdefault(int(k), k)) != k:  # "5" and "05": the engine refused it, job_failed
                 return "logit_bias", f"logit_bias names token {int(k)} twice ({first!r} and {k!r})"
-            if not number(v):
-                return "logit_bias", f"logit_bias values must be finite numbers, got {v!r} for token {k}"
+            if not finite_number(v):
+                return "logit_bias", f"logit_bias values must be finite numbers, got {shown(v)} for token {k}"
             if abs(v) > BIAS_MAX:  # else accepted, then failed as job_failed when the engine refused it
                 return "logit_bias", (f"logit_bias values must be within +-{BIAS_MAX:.0e} (logits are float32), "
-                                      f"got {v!r} for token {k}")
+                                      f"got {shown(v)} for token {k}")
     r = values.get("repetition_penalty")
-    if r is not None and not (number(r) and r > 0):
-        return "repetition_penalty", f"repetition_penalty must be a finite number > 0 (1 = off), got {r!r}"
+    if r is not None and not (finite_number(r) and r > 0):
+        return "repetition_penalty", f"repetition_penalty must be a finite number > 0 (1 = off), got {shown(r)}"
     if r is not None and not REPETITION_MIN <= r <= PENALTY_MAX:
         return "repetition_penalty", (f"repetition_penalty must be within {REPETITION_MIN:.0e}..{PENALTY_MAX:.0e} "
-                                      f"(logits are float32), got {r!r}")
+                                      f"(logits are float32), got {shown(r)}")
     for name in ("presence_penalty", "frequency_penalty"):
         v = values.get(name)
-        if v is not None and not number(v):
-            return name, f"{name} must be a finite number (0 = off), got {v!r}"
+        if v is not None and not finite_number(v):
+            return name, f"{name} must be a finite number (0 = off), got {shown(v)}"
         if v is not None and abs(v) > PENALTY_MAX:
-            return name, f"{name} must be within +-{PENALTY_MAX:.0e} (logits are float32), got {v!r}"
+            return name, f"{name} must be within +-{PENALTY_MAX:.0e} (logits are float32), got {shown(v)}"
     for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
         v = values.get(name)
         if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= SEED_MAX):
-            return name, f"{name} must be an integer >= 1 (tokens), got {v!r}"
+            return name, f"{name} must be an integer >= 1 (tokens; at most 2^64-1), got {shown(v)}"
     return None
 
 
@@ -187,7 +219,7 @@ def verify_window_problem(value: Any) -> str | None:
         return None
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return None
-    return f"verify_window must be 'auto', 'full' or a number of tokens >= 1 (1 = plain decoding), got {value!r}"
+    return f"verify_window must be 'auto', 'full' or a number of tokens >= 1 (1 = plain decoding), got {shown(value)}"
 
 
 # Chat template keyword arguments (a submit's template_args, the gateway's chat_template_kwargs)
@@ -218,7 +250,7 @@ def template_args_problem(args: Any) -> str | None:
         return f"template_args must be a map of names to values, got {type(args).__name__}"
     for k in args:
         if not template_arg_allowed(k):
-            return f"chat template keyword argument {k!r} cannot be set (a plain name that apply_chat_template " \
+            return f"chat template keyword argument {shown(k)} cannot be set (a plain name that apply_chat_template " \
                    "does not take itself)"
     return None
 
@@ -232,7 +264,7 @@ def template_arg_allowed(name: Any) -> bool:
 def check_job_id(job_id: Any) -> None:
     """Raise ProtocolError(BAD_REQUEST) unless job_id is 1-64 characters of [A-Za-z0-9_.-]."""
     if not (isinstance(job_id, str) and JOB_ID.fullmatch(job_id)):
-        raise ProtocolError(BAD_REQUEST, f"job_id must be 1-64 characters of A-Z a-z 0-9 _ . -, got {job_id!r}",
+        raise ProtocolError(BAD_REQUEST, f"job_id must be 1-64 characters of A-Z a-z 0-9 _ . -, got {shown(job_id)}",
                             param="job_id")
 
 
@@ -245,7 +277,7 @@ def check_submit(sub: "Submit") -> None:
     if sub.token_ids is not None:
         neg = next((t for t in sub.token_ids if t < 0), None)
         if neg is not None:
-            raise ProtocolError(BAD_REQUEST, f"token ids must be >= 0, got {neg}", param="token_ids")
+            raise ProtocolError(BAD_REQUEST, f"token ids must be >= 0, got {shown(neg)}", param="token_ids")
     template_problem = template_use_problem(sub)
     if template_problem is not None:
         raise ProtocolError(BAD_REQUEST, template_problem[1], param=template_problem[0])
@@ -547,7 +579,7 @@ def parse_request(m: Any) -> Request:
     op = m.get("op")
     cls = REQUESTS.get(op) if isinstance(op, str) else None
     if cls is None:
-        raise ProtocolError(UNKNOWN_OP, f"unknown op {op!r}; known: {', '.join(REQUESTS)}")
+        raise ProtocolError(UNKNOWN_OP, f"unknown op {shown(op)}; known: {', '.join(REQUESTS)}")
     req = _build(cls, m, ("v", "op"))
     if isinstance(req, (Cancel, JobStatus)) or (isinstance(req, Submit) and req.job_id):
         check_job_id(req.job_id)  # a malformed id is a bad request, never a lookup that finds nothing
@@ -563,7 +595,7 @@ def parse_reply(m: Any) -> Reply:
     kind = m.get("type")
     cls = REPLIES.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise ProtocolError(UNKNOWN_OP, f"unknown reply type {kind!r}")
+        raise ProtocolError(UNKNOWN_OP, f"unknown reply type {shown(kind)}")
     return _build(cls, m, ("v", "type"), strict=False)
 
 
@@ -589,8 +621,8 @@ def _build(cls: type, m: dict, envelope: tuple[str, ...], strict: bool = True) -
     if strict:
         extra = [k for k in m if k not in names and k not in envelope]
         if extra:
-            raise ProtocolError(BAD_REQUEST, f"unknown field(s) {sorted(map(str, extra))} for {cls.__name__}",
-                                param=str(extra[0]))
+            raise ProtocolError(BAD_REQUEST, f"unknown field(s) {shown(sorted(map(str, extra)))} for {cls.__name__}",
+                                param=str(extra[0])[:SHOWN_CHARS])
     kwargs = {}
     for name in names:
         if name in m:

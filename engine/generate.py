@@ -13,6 +13,7 @@ the generator) is rewound in `finally`, which leaves the caches exactly at the c
 
 from __future__ import annotations
 
+import copy
 import inspect
 import time
 from dataclasses import asdict, dataclass, field
@@ -20,6 +21,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 
+from ..daemon.protocol import shown
 from . import rollback, sparse
 from . import sampling as sampling_mod
 from . import branches as branches_mod
@@ -195,11 +197,11 @@ def stream_dflash_generate(
             raise ValueError("a teacher's ids time greedy runs over a dense prompt only")
         forced = mx.array([*teacher, -1], dtype=mx.int32)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-        raise TypeError(f"max_tokens must be an int, got {type(max_tokens).__name__} {max_tokens!r}")
+        raise TypeError(f"max_tokens must be an int, got {type(max_tokens).__name__} {shown(max_tokens)}")
     if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        raise ValueError(f"max_tokens must be >= 1, got {shown(max_tokens)}")
     if prefill_chunk < 1:
-        raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        raise ValueError(f"prefill_chunk must be >= 1, got {shown(prefill_chunk)}")
 
     stats = GenerationStats(prompt_tokens=len(ids), block_size=drafter.block_size)
     stats.accept_histogram = [0] * drafter.block_size
@@ -256,7 +258,7 @@ def stream_dflash_generate(
     confident = keys is None and "confidence" in drafter_params
     branch_rows = target.branches if branches is None else branches
     if branch_rows < 1:
-        raise ValueError(f"branches must be >= 1, got {branch_rows}")
+        raise ValueError(f"branches must be >= 1, got {shown(branch_rows)}")
     if (keys is not None or procs is not None or "rows" not in drafter_params
             or not rollback.rows_supported(caches)):
         branch_rows = 1  # sampled or processed cycles, ids-only drafters, other caches: one row
@@ -432,6 +434,9 @@ def stream_dflash_generate(
         if window_memory is not None:
             window.remember(window_memory)
     t_end = time.perf_counter()
+    # the last flush first: a stop string in its text can drop ids (_Output._drop_ids_past)
+    tail = list(out.drain(final=True))
+    reason = out.reason or reason
     stats.generated_tokens = len(out.ids)
     # drafts accepted among the tokens handed out: a cycle cut by max_tokens, EOS or a stop
     # string accepted more than it emitted, and those never count (acceptance stays <= 1)
@@ -448,7 +453,7 @@ def stream_dflash_generate(
         stats.est_speedup = stats.decode_tps * step_s
     stats.peak_memory_gb = _peak_memory_gb()
     stats.finish_reason = reason
-    yield from out.drain(final=True)
+    yield from tail
     yield Finished(out.text, list(out.ids), stats)
 
 
@@ -462,10 +467,10 @@ def prompt_ids(tokenizer: Any, prompt: str | Sequence[int], vocab_size: int) -> 
     ids = []
     for t in prompt:
         if isinstance(t, bool) or not hasattr(t, "__index__"):
-            raise TypeError(f"token ids must be ints, got {type(t).__name__} {t!r}")
+            raise TypeError(f"token ids must be ints, got {type(t).__name__} {shown(t)}")
         t = t.__index__()
         if not 0 <= t < vocab_size:
-            raise ValueError(f"token id {t} is outside the vocabulary (0..{vocab_size - 1})")
+            raise ValueError(f"token id {shown(t)} is outside the vocabulary (0..{vocab_size - 1})")
         ids.append(t)
     return ids
 
@@ -609,7 +614,8 @@ class _Output:
     a cut character, as mlx-lm writes it). So the flush carries its ids however generation ends,
     also when the last cycle brought none (an EOS first in its cycle, a cancel), where it used to
     come as text without ids; the text itself is never held back for this. Concatenated, the
-    deltas' text and ids are the Finished text and ids.
+    deltas' text and ids are the Finished text and ids. A stop string ends the ids at the one
+    whose text completed it, also when that text was held and came out with later ids.
     """
 
     def __init__(self, tokenizer: Any, stop: Sequence[str]):
@@ -639,10 +645,11 @@ class _Output:
             self._held.append((tok, fd))
             self.detok.add_token(tok)
             segment = self.detok.last_segment
+            fresh = len(self._held) if segment else 0  # the ids this segment writes
             if segment:  # the detokenizer let go of the text of every id it held
                 self._raw += segment
                 self._release_held()
-            if self.stop and self._cut_at_stop():
+            if self.stop and self._stop_cuts(fresh):
                 self.reason = "stop"
                 self.stopped_by_string = True
                 return True
@@ -651,18 +658,47 @@ class _Output:
                 return True
         return False
 
-    def _cut_at_stop(self) -> bool:
+    def _stop_cuts(self, fresh: int) -> bool:
+        """Cut the unreleased text at the earliest stop string, and keep the ids up to the one
+        that completed it; `fresh`: how many ids the last release of text wrote."""
         window = self.text[-self.hold :] + self._raw if self.hold else self._raw
         # the earliest stop in the window, not the first in the list: one segment can hold
         # several, and a cut at a later one would leave an earlier one in the text
-        found = [i for i in (window.find(s) for s in self.stop) if i >= 0]
+        found = [(i, i + len(s)) for s in self.stop if (i := window.find(s)) >= 0]
         if not found:
             return False
-        keep = min(found) - (len(window) - len(self._raw))
-        if keep < 0:  # stop began in already released text: cannot unsay it
-            keep = 0
-        self._raw = self._raw[:keep]
+        start, end = min(found)
+        released = len(window) - len(self._raw)  # the window's released part, before _raw
+        needed = self.text + self._raw[: max(end - released, 0)]  # the whole text up to the stop's end
+        self._raw = self._raw[: max(start - released, 0)]  # a stop begun in released text: cannot unsay it
+        if fresh > 1:
+            self._drop_ids_past(needed, fresh)
         return True
+
+    def _drop_ids_past(self, needed: str, fresh: int) -> None:
+        """Of the last `fresh` ids (one release of text), drop those after the one whose text
+        completed the stop (`needed`: the whole text up to the stop's end). The detokenizer holds
+        a lone space or a character's first bytes and writes them with a later id; when the held
+        text completed the stop, that later id's text is all cut and the id must not count: the
+        ids end where they end when nothing was held. Rare (a stop found in held text), so the
+        prefixes' text is rebuilt by replaying their ids."""
+        base = len(self.ids) - fresh
+        for n in range(base + 1, len(self.ids)):
+            if not self._text_of(self.ids[:n]).startswith(needed):
+                continue
+            cut = len(self.ids) - n
+            self.drafted -= sum(self._pending_draft[-cut:])
+            del self.ids[n:], self._pending_ids[-cut:], self._pending_draft[-cut:]
+            return
+
+    def _text_of(self, ids: list[int]) -> str:
+        """The text a fresh copy of the detokenizer writes for `ids`, flushed."""
+        probe = copy.copy(self.detok)
+        probe.reset()  # rebinds the copy's state: the live detokenizer is untouched
+        for tok in ids:
+            probe.add_token(tok)
+        probe.finalize()
+        return probe.text
 
     def _release_held(self) -> None:
         self._pending_ids.extend(t for t, _ in self._held)
@@ -676,15 +712,16 @@ class _Output:
         if ending and not self._flushed:
             self._flushed = True
             self.detok.finalize()
+            fresh = len(self._held)
+            self._release_held()  # the flush's ids travel with it
             if not self.stopped_by_string:
                 self._raw += self.detok.last_segment
                 # the flush can write text the detokenizer held (a lone space, a cut character)
                 # that completes a stop string: cut there too, as push does
-                if self.stop and self._cut_at_stop():
+                if self.stop and self._stop_cuts(fresh):
                     self.stopped_by_string = True
                     if self.reason == "length":
                         self.reason = "stop"
-            self._release_held()  # the flush's ids travel with it
         release = self._raw if (ending or not self.stop) else self._raw[: max(len(self._raw) - self.hold, 0)]
         if release or self._pending_ids:
             self._raw = self._raw[len(release) :]

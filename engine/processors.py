@@ -27,6 +27,8 @@ from typing import Any, Mapping, Sequence
 import mlx.core as mx
 import numpy as np
 
+from ..daemon.protocol import finite_number, shown
+
 CONTEXT_SIZE = 20  # mlx-lm's default window for each penalty
 
 
@@ -38,10 +40,6 @@ PENALTY_MAX = 1e30
 REPETITION_MIN = 1e-30
 
 
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def bias_items(logit_bias: Mapping[Any, Any] | None) -> dict[int, float]:
     """{token id: bias} from ints or decimal strings (as JSON spells the keys); ValueError names
     what is wrong."""
@@ -51,21 +49,21 @@ def bias_items(logit_bias: Mapping[Any, Any] | None) -> dict[int, float]:
         raise ValueError(f"logit_bias must map token ids to numbers, got {type(logit_bias).__name__}")
     out: dict[int, float] = {}
     for k, v in logit_bias.items():
-        if isinstance(k, str) and k.isascii() and k.isdigit():
+        if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 20:  # 2^64 - 1 has 20 digits
             tid = int(k)
         elif isinstance(k, int) and not isinstance(k, bool):
             tid = k
         else:
-            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {k!r}")
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {shown(k)}")
         if tid < 0:
-            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {k!r}")
-        if not _finite(v):
-            raise ValueError(f"logit_bias values must be finite numbers, got {v!r} for token {tid}")
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {shown(k)}")
+        if not finite_number(v):
+            raise ValueError(f"logit_bias values must be finite numbers, got {shown(v)} for token {shown(tid)}")
         if abs(v) > BIAS_MAX:  # a bias past float32's range is inf there: no distribution left
             raise ValueError(f"logit_bias values must be within +-{BIAS_MAX:.0e} (logits are float32), "
-                             f"got {v!r} for token {tid}")
+                             f"got {shown(v)} for token {shown(tid)}")
         if tid in out:
-            raise ValueError(f"logit_bias names token {tid} twice")
+            raise ValueError(f"logit_bias names token {shown(tid)} twice")
         out[tid] = float(v)
     return out
 
@@ -81,9 +79,9 @@ def parse_bias_flags(values: Sequence[str]) -> dict[int, float] | None:
                 raise ValueError
             out[int(tid)] = float(bias)
         except ValueError:
-            raise ValueError(f"{v!r} is not ID=BIAS (a token id >= 0 and a number)") from None
+            raise ValueError(f"{shown(v)} is not ID=BIAS (a token id >= 0 and a number)") from None
         if not math.isfinite(out[int(tid)]):
-            raise ValueError(f"{v!r}: the bias is not a finite number")
+            raise ValueError(f"{shown(v)}: the bias is not a finite number")
     return out or None
 
 
@@ -104,21 +102,21 @@ class ProcessorParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "bias", bias_items(self.logit_bias))
         r = self.repetition_penalty
-        if r is not None and not (_finite(r) and r > 0):
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (1: off), got {r!r}")
+        if r is not None and not (finite_number(r) and r > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1: off), got {shown(r)}")
         if r is not None and not REPETITION_MIN <= r <= PENALTY_MAX:
             raise ValueError(f"repetition_penalty must be within {REPETITION_MIN:.0e}..{PENALTY_MAX:.0e} "
-                             f"(logits are float32), got {r!r}")
+                             f"(logits are float32), got {shown(r)}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if v is not None and not _finite(v):
-                raise ValueError(f"{name} must be a finite number (0: off), got {v!r}")
+            if v is not None and not finite_number(v):
+                raise ValueError(f"{name} must be a finite number (0: off), got {shown(v)}")
             if v is not None and abs(v) > PENALTY_MAX:
-                raise ValueError(f"{name} must be within +-{PENALTY_MAX:.0e} (logits are float32), got {v!r}")
+                raise ValueError(f"{name} must be within +-{PENALTY_MAX:.0e} (logits are float32), got {shown(v)}")
         for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+                raise ValueError(f"{name} must be an integer >= 1, got {shown(v)}")
 
     def penalties(self) -> list[tuple[str, float, int]]:
         """The penalties that change something, in mlx-lm's order: (kind, value, context size)."""
@@ -145,7 +143,7 @@ def bias_vocab_problem(logit_bias: Mapping[Any, Any] | None, vocab_size: int) ->
     """Why a bias (ids as ints or decimal strings) does not fit a vocabulary of vocab_size, or
     None: the one rule the engine, the worker at submit and its MLX thread apply."""
     bad = [int(t) for t in (logit_bias or {}) if int(t) >= vocab_size]
-    return f"logit_bias token id {min(bad)} is outside the vocabulary (0..{vocab_size - 1})" if bad else None
+    return f"logit_bias token id {shown(min(bad))} is outside the vocabulary (0..{vocab_size - 1})" if bad else None
 
 
 class LogitsProcessors:

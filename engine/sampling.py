@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ..daemon.protocol import finite_number, shown
+
 F32_MAX = 3.4028234663852886e38  # the largest float32: 1 / temperature is capped there
 
 
@@ -44,18 +46,18 @@ class SamplingParams:
     def __post_init__(self) -> None:
         t, p, k, s, m = self.temperature, self.top_p, self.top_k, self.seed, self.min_p
         keep = self.min_tokens_to_keep
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if not finite_number(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {shown(t)}")
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+            raise ValueError(f"top_p must be in (0, 1], got {shown(p)}")
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0: off), got {k!r}")
+            raise ValueError(f"top_k must be an integer >= 0 (0: off), got {shown(k)}")
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= 1:
-            raise ValueError(f"min_p must be in [0, 1] (0: off), got {m!r}")
+            raise ValueError(f"min_p must be in [0, 1] (0: off), got {shown(m)}")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"min_tokens_to_keep must be an integer >= 1 (1: mlx-lm's default), got {keep!r}")
+            raise ValueError(f"min_tokens_to_keep must be an integer >= 1 (1: mlx-lm's default), got {shown(keep)}")
         if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**64):
-            raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {s!r}")
+            raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {shown(s)}")
 
     @property
     def greedy(self) -> bool:
