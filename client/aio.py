@@ -24,6 +24,7 @@ from .client import (
     client_timings,
     closed_error,
     connect,
+    encode_request,
     exchange_plan,
     finished,
     int_list,
@@ -99,7 +100,7 @@ class AsyncDFlashClient:
         """As DFlashClient._exchange: re-send until answered; with `beats`, once heartbeats for
         it come, wait as long as they do instead (exchange_plan, the one rule for both)."""
         msg.rid = next(self._rids)
-        frame = codec.encode(msg)
+        frame = encode_request(msg)
         sendable(frame, self._cfg)
         end = time.monotonic() + (self.timeout if timeout is None else timeout)
         plan = exchange_plan(msg.rid, end, self.retry_interval, self.heartbeat_timeout, beats, self.endpoint)

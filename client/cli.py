@@ -7,7 +7,8 @@ worker / worker died (a kept job's error prints the `result` command, with this 
 --config and --timeout), 4 busy (queue full), 5 no such job (or its result expired) or position
 list, 6 the job was cancelled by someone else (`dflash-client cancel`, another client: the text is
 cut short), 124 the job hit its time limit, 130 Ctrl-C (cancels a `prompt`; `result` only stops
-waiting). `cache clear` exits 1 when the cache process did not answer (L1 was cleared, L2 was not).
+waiting), 141 stdout was closed before all was written (`| head`: a `prompt`'s job is cancelled).
+`cache clear` exits 1 when the cache process did not answer (L1 was cleared, L2 was not).
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import shlex
 import sys
+import tomllib
 from typing import Any, Iterator, NoReturn
 
 import click
@@ -65,7 +68,12 @@ def _usage_error(message: str) -> NoReturn:
 
 def _stdin_text() -> str:
     """stdin as UTF-8, strictly: bytes that are not UTF-8 are refused, never guessed at."""
-    data = sys.stdin.buffer.read()
+    if sys.stdin is None:  # started with stdin closed (`<&-`, some service managers)
+        _usage_error("no prompt: give TEXT, or pipe it on stdin (stdin is closed)")
+    try:
+        data = sys.stdin.buffer.read()
+    except OSError as e:
+        _usage_error(f"cannot read the prompt from stdin: {e.strerror or e}")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -100,16 +108,49 @@ def _one_line_usage() -> Iterator[None]:
         _usage_error(e.format_message().rstrip(".") + hint)
 
 
+BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a command that `| head` cut short
+
+
+def output_closed(prog: str, what: str = "") -> NoReturn:
+    """stdout's reader went away (`| head`): one line and exit 141, not click's silent exit 1 (the
+    code of a failed job). What cannot be written goes to /dev/null, so the interpreter's last
+    flush cannot fail again (which would make the exit status 120); stderr may be the same
+    closed pipe, so its line is best effort."""
+    _to_devnull(sys.stdout)
+    try:
+        sys.stderr.write(f"{prog}: stdout was closed before all output was written{what}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):
+        _to_devnull(sys.stderr)
+    sys.exit(BROKEN_PIPE)
+
+
+def _to_devnull(stream: Any) -> None:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+
+
 class _Cli(click.Group):
-    """The root group: option parsing and every subcommand run under _one_line_usage."""
+    """The root group: option parsing and every subcommand run under _one_line_usage; a Ctrl-C
+    or a closed stdout that a command does not handle itself ends as documented (130, 141), not
+    as click's "Aborted!" and exit 1."""
 
     def make_context(self, *args, **kw) -> click.Context:
         with _one_line_usage():
             return super().make_context(*args, **kw)
 
     def invoke(self, ctx: click.Context) -> Any:
-        with _one_line_usage():
-            return super().invoke(ctx)
+        try:
+            with _one_line_usage():
+                return super().invoke(ctx)
+        except KeyboardInterrupt:
+            with contextlib.suppress(OSError, ValueError):
+                click.echo("\ndflash-client: interrupted", err=True)
+            sys.exit(130)
+        except BrokenPipeError:
+            output_closed("dflash-client")
 
 
 def _finite(ctx, param, value):
@@ -175,7 +216,25 @@ def processor_options(f):
 @click.pass_context
 def main(ctx, endpoint, config_path, timeout):
     """Talk to a running dflashd."""
-    ctx.obj = DFlashClient(endpoint, config=config_path, timeout=timeout)
+    if sys.stdout is None:  # started with stdout closed (`>&-`): every answer would be lost, exit 0
+        _usage_error("stdout is closed: there is nowhere to print the answer (nothing was sent)")
+    try:
+        ctx.obj = DFlashClient(endpoint, config=config_path, timeout=timeout)
+    except (ValueError, OSError) as e:  # the config file (or a DFLASH_* setting) is unusable
+        _usage_error(config_problem(e, config_path))
+
+
+def config_problem(e: Exception, config_path: str | None) -> str:
+    """Why the config could not be loaded, in one line that names the file: open()'s and
+    tomllib's own words bury it in an errno or leave it out."""
+    if isinstance(e, OSError):
+        return f"cannot read the config file {e.filename or config_path}: {e.strerror or e}"
+    if isinstance(e, tomllib.TOMLDecodeError):
+        from dflash.daemon import paths
+
+        file = config_path or os.environ.get("DFLASH_CONFIG") or paths.default_config_file()
+        return f"the config file {file} is not valid TOML: {e}"
+    return f"bad config: {e}"
 
 
 def _window(ctx, param, value):
@@ -187,6 +246,14 @@ def _window(ctx, param, value):
     if problem is not None:
         raise click.BadParameter(problem)
     return window
+
+
+def _stops(ctx, param, value: tuple[str, ...]) -> tuple[str, ...]:
+    """An empty stop sequence never matches, so the job would run on as if none were given (a
+    `--stop "$UNSET"`): refused, as `dflash generate` refuses it."""
+    if any(s == "" for s in value):
+        raise click.BadParameter("a stop sequence cannot be empty")
+    return value
 
 
 MAX_POSITIONS = codec.DEFAULT_MAX_FRAME  # more than fit in one request frame: never sendable
@@ -230,7 +297,7 @@ def _positions(ctx, param, value: str | None) -> list[int] | None:
 @click.argument("text", required=False)
 @click.option("--max-tokens", "-m", default=256, show_default=True, type=int)
 @click.option("--system", default=None, help="System message.")
-@click.option("--stop", multiple=True, help="Stop sequence (repeatable).")
+@click.option("--stop", multiple=True, callback=_stops, help="Stop sequence (repeatable).")
 @click.option("--priority", default=0, show_default=True, type=int, help="Higher runs first.")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats).")
@@ -275,6 +342,9 @@ def prompt(client: DFlashClient, text, max_tokens, system, stop, priority, raw, 
         stream.close()  # sends cancel
         click.echo("\ndflash-client: cancelled", err=True)
         sys.exit(130)
+    except BrokenPipeError:  # `| head` has read enough: the rest is not wanted
+        stream.close()  # sends cancel, now rather than whenever the stream is collected
+        output_closed("dflash-client", f"; job {stream.job_id} was cancelled")
     except E.DFlashError as e:
         _fail(e)
     res = stream.result

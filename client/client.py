@@ -247,13 +247,29 @@ def client_timings(timeout: Any, heartbeat_timeout: Any, retry_interval: Any) ->
 
 def connect(sock: zmq.Socket, endpoint: str) -> None:
     """Connect `sock`, or close it and raise the BadRequestError an endpoint ZeroMQ cannot parse
-    deserves (it was a bare `ZMQError: Invalid argument` and a socket left open)."""
+    deserves (it was a bare `ZMQError: Invalid argument` and a socket left open; one that is not
+    valid Unicode, e.g. undecodable bytes on a command line, a UnicodeEncodeError)."""
     try:
         sock.connect(endpoint)
-    except zmq.ZMQError as e:
+    except (zmq.ZMQError, UnicodeEncodeError) as e:
         sock.close(0)
-        raise E.BadRequestError("bad_endpoint", f"cannot connect to {endpoint!r} ({zmq.strerror(e.errno)}): "
+        why = zmq.strerror(e.errno) if isinstance(e, zmq.ZMQError) else "not valid Unicode text"
+        raise E.BadRequestError("bad_endpoint", f"cannot connect to {endpoint!r} ({why}): "
                                 "an endpoint is ipc://PATH or tcp://HOST:PORT") from None
+
+
+def encode_request(msg: Any) -> bytes:
+    """The frame for a request. A field the wire cannot carry (a job id or a list name that is not
+    valid Unicode, an integer beyond 64 bits) is the BadRequestError naming it, as for a submit
+    (make_submit), not msgpack's UnicodeEncodeError or OverflowError."""
+    try:
+        return codec.encode(msg)
+    except (UnicodeEncodeError, OverflowError):
+        try:
+            codec.check_encodable(msg)
+        except P.ProtocolError as e:
+            raise E.BadRequestError(e.code, e.message, param=e.param or "") from None
+        raise
 
 
 def unavailable(endpoint: str) -> E.WorkerUnavailableError:
@@ -421,7 +437,7 @@ class DFlashClient:
     def _exchange(self, sock: zmq.Socket, msg: Any, timeout: float | None, beats: bool = False) -> P.Reply:
         """Send (and re-send) until a reply to this rid arrives, by exchange_plan's rule."""
         msg.rid = self._next_rid()
-        frame = codec.encode(msg)
+        frame = encode_request(msg)
         sendable(frame, self._cfg)
         end = time.monotonic() + (self.timeout if timeout is None else timeout)
         plan = exchange_plan(msg.rid, end, self.retry_interval, self.heartbeat_timeout, beats, self.endpoint)

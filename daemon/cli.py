@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, NoReturn
@@ -49,8 +51,65 @@ def _resolve(config_path: str | None, **flags: Any) -> DaemonConfig:
         cfg = load_config(config_path, flags)
         cfg.validate()
     except (ValueError, OSError) as e:
-        raise BadConfig(str(e)) from e
+        from dflash.client.cli import config_problem
+
+        raise BadConfig(config_problem(e, config_path)) from e
     return cfg
+
+
+def _seconds(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """A wait in seconds must be a finite number: nan made `start` give up at once ("did not
+    become ready in nans") and `stop` send SIGTERM without waiting."""
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number of seconds")
+    return value
+
+
+def _check_places(cfg: DaemonConfig) -> None:
+    """Refuse (exit 2), before anything is started, a runtime or state dir that cannot be made
+    ours and an ipc:// socket that cannot be bound: they ended in a traceback, or in "the worker
+    keeps crashing" with the reason only in the log."""
+    for what, folder in (("runtime_dir", cfg.runtime_path()), ("state_dir", cfg.state_path()),
+                         ("log folder", cfg.log_path())):
+        try:
+            paths.private_dir(folder)
+        except OSError as e:
+            raise BadConfig(f"cannot use {folder} as the {what}: {e.strerror or e}") from None
+    endpoints = [("endpoint", cfg.resolved_endpoint())]
+    if cfg.cache:
+        endpoints.append(("cache_endpoint", cfg.resolved_cache_endpoint()))
+    for what, endpoint in endpoints:
+        if (problem := ipc_problem(endpoint)) is not None:
+            raise BadConfig(f"{what} {endpoint} cannot be used: {problem}")
+
+
+def ipc_problem(endpoint: str) -> str | None:
+    """Why a socket cannot be bound at this ipc:// endpoint (None: it can, or it is not ipc://):
+    a path longer than a Unix socket address holds, or a folder where no file can be made."""
+    import zmq
+
+    path = paths.ipc_path(endpoint)
+    if path is None:
+        return None
+    limit = getattr(zmq, "IPC_PATH_MAX_LEN", 0) or 103
+    size = len(os.fsencode(path))
+    if size > limit:
+        return (f"its path is {size} bytes, more than the {limit} a Unix socket's address holds "
+                "(choose a shorter runtime_dir or endpoint)")
+    try:  # os.access cannot tell: root passes it even where nothing can be made (/proc)
+        with tempfile.TemporaryFile(dir=path.parent, prefix=".dflash-probe-"):
+            pass
+    except OSError as e:
+        return f"cannot make a file in {path.parent}: {e.strerror or e}"
+    return None
+
+
+def _stop_orphans(cfg: DaemonConfig) -> list[str]:
+    """supervisor.stop_orphans, with a runtime dir that is not a folder one line (exit 2)."""
+    try:
+        return supervisor.stop_orphans(cfg)
+    except OSError as e:
+        raise BadConfig(f"cannot use {cfg.runtime_path()} as the runtime_dir: {e.strerror or e}") from None
 
 
 def _client(cfg: DaemonConfig, timeout: float):
@@ -125,7 +184,8 @@ def main() -> None:
 @main.command()
 @_config_options
 @click.option("--foreground", is_flag=True, help="Run the supervisor attached (launchd/systemd).")
-@click.option("--wait", "wait_s", default=120.0, show_default=True, help="Seconds to wait for the model to load.")
+@click.option("--wait", "wait_s", default=120.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              callback=_seconds, help="Seconds to wait for the model to load.")
 def start(config_path, foreground, wait_s, **flags):
     """Start the supervisor, which starts the worker (and restarts it if it dies)."""
     cfg = _resolve(config_path, **flags)
@@ -133,7 +193,8 @@ def start(config_path, foreground, wait_s, **flags):
         raise BadConfig("no model configured: pass --model, set DFLASH_MODEL or `model` in the config")
     if _supervisor_pid(cfg) or _stats(cfg, 0.5):
         raise click.ClickException(f"dflashd is already running at {cfg.resolved_endpoint()}")
-    orphans = supervisor.stop_orphans(cfg)  # they would hold the locks the new children need
+    _check_places(cfg)
+    orphans = _stop_orphans(cfg)  # they would hold the locks the new children need
     if orphans:
         click.echo("stopped what a dead supervisor left running: " + ", ".join(orphans), err=True)
     paths.private_umask()  # the log file and dirs made here, and the supervisor it starts
@@ -211,7 +272,7 @@ def _one_line(text: str) -> str:
 
 @main.command()
 @_config_options
-@click.option("--timeout", default=30.0, show_default=True)
+@click.option("--timeout", default=30.0, show_default=True, type=click.FloatRange(min=0), callback=_seconds)
 def stop(config_path, timeout, **flags):
     """Ask the worker to shut down (a running job is re-queued), wait for the supervisor, then stop
     whatever a supervisor that died (kill -9) left running."""
@@ -242,7 +303,7 @@ def stop(config_path, timeout, **flags):
     else:
         if pid is not None:
             os.kill(pid, signal.SIGTERM)
-    orphans = supervisor.stop_orphans(cfg)
+    orphans = _stop_orphans(cfg)
     if orphans:
         click.echo("stopped what a dead supervisor left running: " + ", ".join(orphans))
     elif not answered and pid is None:
@@ -294,7 +355,8 @@ def status(config_path, as_json, **flags):
 
 @main.command()
 @_config_options
-@click.option("--wait", "wait_s", default=120.0, show_default=True)
+@click.option("--wait", "wait_s", default=120.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              callback=_seconds)
 @click.pass_context
 def restart(ctx, config_path, wait_s, **flags):
     """stop (if running), then start."""
@@ -306,23 +368,27 @@ def restart(ctx, config_path, wait_s, **flags):
 
 @main.command()
 @_config_options
-@click.option("-n", "lines", default=50, show_default=True)
-@click.option("-f", "follow", is_flag=True, help="Keep printing new lines.")
+@click.option("-n", "lines", default=50, show_default=True, type=click.IntRange(min=0),
+              help="Print the last N lines (0: none, e.g. with -f).")
+@click.option("-f", "follow", is_flag=True, help="Keep printing new lines (until Ctrl-C).")
 def logs(config_path, lines, follow, **flags):
     """Print the daemon's log (supervisor and worker)."""
     cfg = _resolve(config_path, **flags)
     path = cfg.log_path() / "dflashd.log"
-    if not path.exists():
+    if not path.is_file():
         raise click.ClickException(f"no log at {path}")
-    with open(path, "rb") as fh:
-        for line in fh.readlines()[-lines:]:
-            click.echo(line.decode(errors="replace"), nl=False)
-        while follow:
-            line = fh.readline()
-            if line:
+    try:
+        with open(path, "rb") as fh:
+            for line in fh.readlines()[-lines:] if lines else ():  # [-0:] would be every line
                 click.echo(line.decode(errors="replace"), nl=False)
-            else:
-                time.sleep(0.3)
+            while follow:
+                line = fh.readline()
+                if line:
+                    click.echo(line.decode(errors="replace"), nl=False)
+                else:
+                    time.sleep(0.3)
+    except KeyboardInterrupt:  # how -f ends: 130, as `tail -f`, not click's "Aborted!" and 1
+        sys.exit(130)
 
 
 @main.command()

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shlex
 import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import click
 
@@ -20,6 +22,8 @@ from .tiny import ARCH_CONFIGS
 @click.pass_context
 def main(ctx: click.Context) -> None:
     """DFlash block-diffusion speculative decoding on MLX: the target's own output (greedy, or exact sampling), faster."""
+    if ctx.invoked_subcommand == "generate" and sys.stdout is None:  # started with `>&-`
+        raise BadInput("stdout is closed: there is nowhere to print the text")
     if ctx.invoked_subcommand in ("generate", "benchmark", "train-draft", "eval-draft"):
         from .accel import maybe_reexec
 
@@ -30,7 +34,34 @@ def _stops(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -
     """An empty stop sequence would be silently ignored: refused instead."""
     if any(s == "" for s in value):
         raise click.BadParameter("a stop sequence cannot be empty")
+    for s in value:
+        _utf8(ctx, param, s)
     return value
+
+
+def _utf8(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Refuse an argument that was not UTF-8 on the command line: Python keeps such bytes as lone
+    surrogates, which the tokenizer fails on with a traceback (a stop string would never match)."""
+    if value is not None and (problem := utf8_problem(value)) is not None:
+        raise click.BadParameter(problem)
+    return value
+
+
+def utf8_problem(text: str) -> str | None:
+    """Why `text` (from argv or stdin) is not UTF-8 text, naming the first bad byte; None if it is."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        byte = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else ascii(text[e.start])
+        return f"not UTF-8 text ({byte} at character {e.start}); convert it first, e.g. with iconv -t UTF-8"
+    return None
+
+
+class BadInput(click.ClickException):
+    """No prompt on stdin (closed), or one that is not UTF-8: exit 2, as for an option's bad value."""
+
+    exit_code = 2
 
 
 def _bias(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[int, float] | None:
@@ -53,9 +84,9 @@ def _kv_bits(ctx: click.Context, param: click.Parameter, value: int | None) -> i
 @main.command()
 @click.option("--model", "model_path", required=True, help="Target model directory (mlx-lm format).")
 @click.option("--draft", "draft_path", default=None, help="Draft directory; omitted: resolved from the registry.")
-@click.option("--prompt", "-p", default=None, help="Prompt text; '-' or omitted reads stdin.")
+@click.option("--prompt", "-p", default=None, callback=_utf8, help="Prompt text; '-' or omitted reads stdin.")
 @click.option("--max-tokens", "-m", default=256, show_default=True, type=click.IntRange(1))
-@click.option("--system", default=None, help="System message (chat models).")
+@click.option("--system", default=None, callback=_utf8, help="System message (chat models).")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @click.option("--stop", multiple=True, callback=_stops, help="Stop sequence (repeatable).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, help="Cast target and draft (CPU: float32 is fastest).")
@@ -138,7 +169,12 @@ def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtyp
     except KeyboardInterrupt:  # a second Ctrl-C, or one while loading: what streamed stays on screen
         click.echo("\ncancelled", err=True)
         sys.exit(130)
-    _report(final, plain, sampling, as_json, shown)
+    except BrokenPipeError:  # `| head` has read enough: decoding stopped with the failed write
+        output_closed()
+    try:
+        _report(final, plain, sampling, as_json, shown)
+    except BrokenPipeError:
+        output_closed()
     if cancel.hit:
         click.echo("cancelled", err=True)
         sys.exit(130)
@@ -176,12 +212,40 @@ def _report(final: Any, plain: dict | None, sampling: dict, as_json: bool, shown
 
 def _read_prompt(prompt: str | None) -> str:
     """The prompt as given, or stdin's text for '-' or none (a terminal is told so: a bare
-    `dflash generate --model M` would look hung)."""
+    `dflash generate --model M` would look hung), as UTF-8 strictly: never guessed at."""
     if prompt is not None and prompt != "-":
         return prompt
+    if sys.stdin is None:  # started with stdin closed (`<&-`)
+        raise BadInput("no prompt: give --prompt, or pipe it on stdin (stdin is closed)")
     if sys.stdin.isatty():
         click.echo("[dflash] reading the prompt from stdin (end it with Ctrl-D)", err=True)
-    return sys.stdin.read()
+    data = sys.stdin.buffer.read()
+    try:  # newlines as text-mode stdin read them before (universal newlines)
+        return data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+    except UnicodeDecodeError as e:
+        raise BadInput(f"stdin is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                      "convert it first, e.g. with iconv -t UTF-8") from None
+
+
+def output_closed() -> NoReturn:
+    """stdout's reader went away (`| head`): one line and exit 141 (128 + SIGPIPE, as a shell
+    reports a command a closed pipe stopped), not click's silent exit 1. What is left unwritten
+    goes to /dev/null, so the interpreter's last flush cannot fail too (exit status 120); stderr
+    may be the same closed pipe, so its line is best effort."""
+    _to_devnull(sys.stdout)
+    try:
+        sys.stderr.write("dflash: stdout was closed before all output was written; generation stopped\n")
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):
+        _to_devnull(sys.stderr)
+    sys.exit(141)
+
+
+def _to_devnull(stream: Any) -> None:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
 
 
 class CtrlC:
@@ -246,6 +310,8 @@ def make_tiny(out_dir: str, arch: str, draft_layers: int, force: bool) -> None:
     except KeyboardInterrupt:
         click.echo("cancelled (nothing written)", err=True)
         sys.exit(130)
+    except OSError as e:  # a folder that cannot be written (read-only, /proc, a full disk)
+        raise click.ClickException(f"cannot write {out_dir}: {e.strerror or e} (nothing written)") from None
     draft = str(Path(out_dir) / "draft")
     click.echo(f"tiny {arch} target in {out_dir}, draft in {draft} (random weights); try:\n"
                f"  dflash generate --model {shlex.quote(out_dir)} --draft {shlex.quote(draft)} -p Hello -m 32")
