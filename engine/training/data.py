@@ -474,12 +474,14 @@ def generate_responses(
                 resps = batch_generate(model, ids, max_new_tokens, eos, temperature=temp)
             else:
                 resps = _batch_generate_mlx_lm(model, ids, max_new_tokens, eos)
-            for (_, kind, prompt, split, pid), resp in zip(chunk, resps):
-                s = Sample(kind, prompt, pid, resp, split, temp)
-                done.append(s)
-                n_tok += len(resp)
-                f.write(json.dumps(asdict(s)) + "\n")
+            batch = [Sample(kind, prompt, pid, resp, split, temp)
+                     for (_, kind, prompt, split, pid), resp in zip(chunk, resps)]
+            # one write: a Ctrl-C or SIGTERM (a KeyboardInterrupt) lands before or after it, so
+            # the cache never holds part of a batch
+            f.write("".join(json.dumps(asdict(s)) + "\n" for s in batch))
             f.flush()
+            done += batch
+            n_tok += sum(len(s.response_ids) for s in batch)
             mx.clear_cache()  # the next batch's width differs: hand this one's KV back first
             dt = time.perf_counter() - t0
             log(f"[data] responses {stop}/{len(todo)} | {n_tok} tokens, "

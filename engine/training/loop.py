@@ -26,6 +26,7 @@ import json
 import signal
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -271,7 +272,18 @@ def train_draft(opts: TrainOptions, log: Log = print,
                 explicit_arch: dict[str, Any] | None = None) -> dict[str, Any]:
     """Data -> training (target features per batch) -> checkpoint + draft -> held-out evaluation.
 
-    `explicit_arch`: the architecture options a user typed, refused when a resume contradicts them."""
+    `explicit_arch`: the architecture options a user typed, refused when a resume contradicts them.
+    Before training (loading, tokenising, deriving prompts, answering them) Ctrl-C or SIGTERM
+    raises KeyboardInterrupt at once (launch.stops_once; every finished batch is cached); while
+    training, CtrlC stops after the step in flight."""
+    with ExitStack() as before_training:
+        before_training.enter_context(stops_once())
+        return _train_draft(opts, log, explicit_arch, before_training.close)
+
+
+def _train_draft(opts: TrainOptions, log: Log, explicit_arch: dict[str, Any] | None,
+                 training_starts: Callable[[], None]) -> dict[str, Any]:
+    """train_draft's work; `training_starts()` gives the signals back before CtrlC takes them."""
     from mlx.utils import tree_flatten, tree_unflatten
     import mlx.optimizers as optim
 
@@ -359,9 +371,8 @@ def train_draft(opts: TrainOptions, log: Log = print,
         td.check_exclude_file(opts.exclude_prompts, data_dir, dist.size)
     skip = {p for _, p in td.load_prompt_file(opts.exclude_prompts)} if opts.exclude_prompts else set()
     prompts = td.load_prompt_file(opts.prompts) if opts.prompts else td.builtin_prompts(opts.num_prompts, opts.seed)
-    with stops_once():  # SIGTERM too ends in "cancelled" (exit 130): each batch so far is cached
-        derived = td.cached_derived_prompts(model, tokenizer, opts.derive_prompts, data_dir, opts.seed,
-                                            opts.gen_batch_size, say, dist.rank, dist.size, dist.barrier)
+    derived = td.cached_derived_prompts(model, tokenizer, opts.derive_prompts, data_dir, opts.seed,
+                                        opts.gen_batch_size, say, dist.rank, dist.size, dist.barrier)
     seen: set[str] = set()
     train_prompts = []
     for k, p in prompts + derived:
@@ -531,6 +542,7 @@ def train_draft(opts: TrainOptions, log: Log = print,
         """Ctrl-C was pressed (on any rank: checked collectively, at log steps only)."""
         return ctrl.pressed if dist.size == 1 else at_log and dist.any(ctrl.pressed)
 
+    training_starts()  # SIGINT and SIGTERM as they were, for CtrlC to take over
     with ctrl:  # Ctrl-C: stop after the step in flight, keep the checkpoint
         # compile + warm-up steps: real updates, timed apart, before the budget clock starts
         t0 = time.perf_counter()
@@ -748,7 +760,8 @@ def _cli():
         --sampled-responses share sampled); writes the draft, OUT/checkpoint/ and OUT/README.md.
 
         Ctrl-C (or SIGTERM) stops after the step in flight and saves the checkpoint (exit 130);
-        --resume OUT/checkpoint continues the campaign. See docs/training.md."""
+        --resume OUT/checkpoint continues the campaign. Before training it stops at once (exit
+        130), keeping the data cached so far for the rerun. See docs/training.md."""
         import sys
 
         kw["compile"] = not kw.pop("no_compile")
