@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from . import paths
-from .protocol import PENALTY_FIELDS, SAMPLING_FIELDS
+from .protocol import PENALTY_FIELDS, SAMPLING_FIELDS, shown
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -142,17 +142,17 @@ class DaemonConfig:
         if ep.startswith("tcp://"):
             host = ep[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
             if not is_loopback(host) and not self.curve_server_secret:
-                raise ValueError(f"{ep} is not a loopback address: set curve_server_secret (CURVE keys)")
+                raise ValueError(f"{shown(ep)} is not a loopback address: set curve_server_secret (CURVE keys)")
         elif not ep.startswith("ipc://"):
-            raise ValueError(f"endpoint must be ipc:// or tcp://, got {ep!r}")
+            raise ValueError(f"endpoint must be ipc:// or tcp://, got {shown(ep)}")
         cep = self.resolved_cache_endpoint()
         if cep.startswith("tcp://"):
             if not is_loopback(cep[len("tcp://") :].rsplit(":", 1)[0].strip("[]")):
-                raise ValueError(f"cache_endpoint {cep} must be ipc:// or a loopback tcp:// address")
+                raise ValueError(f"cache_endpoint {shown(cep)} must be ipc:// or a loopback tcp:// address")
         elif not cep.startswith("ipc://"):
-            raise ValueError(f"cache_endpoint must be ipc:// or tcp://, got {cep!r}")
+            raise ValueError(f"cache_endpoint must be ipc:// or tcp://, got {shown(cep)}")
         if cep == ep:
-            raise ValueError(f"cache_endpoint and endpoint are both {ep}: the worker and the cache process "
+            raise ValueError(f"cache_endpoint and endpoint are both {shown(ep)}: the worker and the cache process "
                              "each need their own")
         for name, low, strict in (("cache_every", 1, False), ("l1_cache_entries", 0, False),
                                   ("l1_cache_gb", 0, False), ("l2_cache_gb", 0, True)):
@@ -164,14 +164,15 @@ class DaemonConfig:
         if (problem := kv_bits_problem(self.kv_bits)) is not None:
             raise ValueError(problem)
         if self.blas not in ("auto", "mkl", "none"):
-            raise ValueError(f"blas must be auto, mkl or none, got {self.blas!r}")
+            raise ValueError(f"blas must be auto, mkl or none, got {shown(self.blas)}")
         for name in LIMIT_FIELDS:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         from .protocol import processors_problem, sampling_problem, verify_window_problem
 
         if verify_window_problem(self.window()) is not None:
-            raise ValueError(f"verify_window must be auto, full or a number of tokens >= 1, got {self.verify_window!r}")
+            raise ValueError("verify_window must be auto, full or a number of tokens >= 1, "
+                             f"got {shown(self.verify_window)}")
 
         problem = (sampling_problem(self.temperature, self.top_p, self.top_k, self.seed, self.min_p,
                                     self.min_tokens_to_keep)
@@ -209,7 +210,7 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             return str(value)
     except (TypeError, ValueError):
         pass
-    raise ValueError(f"{source}: {name} must be {kind.__name__}, got {value!r}")
+    raise ValueError(f"{source}: {name} must be {kind.__name__}, got {shown(value)}")
 
 
 def _apply(cfg: DaemonConfig, values: Mapping[str, Any], source: str) -> DaemonConfig:
@@ -238,7 +239,7 @@ def load_config(
         section.pop("generation", None)
         bad = sorted(set(generation) - set(GENERATION_KEYS)) if isinstance(generation, dict) else generation
         if bad:
-            raise ValueError(f"{file}: [generation] takes only {', '.join(GENERATION_KEYS)}; got {bad!r}")
+            raise ValueError(f"{file}: [generation] takes only {', '.join(GENERATION_KEYS)}; got {shown(bad)}")
         cfg = _apply(cfg, {**section, **generation}, str(file))
     from_env = {n: env[f"DFLASH_{n.upper()}"] for n in _FIELDS if f"DFLASH_{n.upper()}" in env}
     cfg = _apply(cfg, from_env, "environment")

@@ -46,6 +46,7 @@ SHUTDOWN_GRACE_S = 1.0
 # (docs/gateway.md, "When the daemon fails"); the control client's own 2 s is the wait otherwise.
 RESTART_WAIT_S = 30.0
 RESTART_POLL_S = 0.1  # how often supervisor.json is read meanwhile
+MODELS_TTL_S = 5.0  # how long a model check that succeeded stands (while the daemon has not stopped)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # request key: the response whose headers went out (set by on_response_prepare)
 _STARTED: web.RequestKey[web.StreamResponse] = web.RequestKey("dflash_started", web.StreamResponse)
@@ -133,6 +134,7 @@ class Gateway:
         self.model_name = model_name
         self.metrics = GatewayMetrics()
         self._models: tuple[float, list[dict]] | None = None
+        self._supervised = False  # a live supervisor in run_dir was seen serving this endpoint
         self.closing = False  # set when the server stops
         self._inflight: set[asyncio.Task] = set()  # handlers running a generation
         self._stopped: set[asyncio.Task] = set()  # those the stop cancelled (answered 503 shutting_down)
@@ -249,8 +251,8 @@ class Gateway:
         expect = request.headers.get(hdrs.EXPECT, "")
         err = None
         if expect.lower() != "100-continue":
-            err = S.ApiError(417, f"Expectation Failed: unsupported Expect header {expect!r} (only 100-continue)",
-                             code="expectation_failed")
+            err = S.ApiError(417, f"Expectation Failed: unsupported Expect header {P.shown(expect)} "
+                             "(only 100-continue)", code="expectation_failed")
         elif request.content_length is not None and request.content_length > self.max_body_bytes:
             err = S.ApiError(413, f"request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
         if err is not None:
@@ -403,16 +405,25 @@ class Gateway:
 
     # ------------------------------------------------------------------ models, health, metrics
     async def _model_rows(self) -> list[dict]:
-        now = time.monotonic()
-        if self._models is None or now - self._models[0] > 5.0:
+        if self._models is None or time.monotonic() - self._models[0] > MODELS_TTL_S or self._stopped_since():
             rows = await self._through_restart(self.control.models)
             self._models = (time.monotonic(), rows)
+            self._worker_state()  # notes a local supervisor, for _stopped_since
         return self._models[1]
+
+    def _stopped_since(self) -> bool:
+        """Whether the supervisor this gateway saw serving the daemon has stopped: the cached model
+        check no longer stands, and asking again answers 503 at once (a generation sent to a
+        stopped daemon waited the generation client's whole 30 s). A daemon with no supervisor
+        here (a remote tcp:// endpoint) is "gone" from the start: its cached check stands."""
+        return self._supervised and self._worker_state() == "gone"
 
     def _worker_state(self) -> str:
         """The daemon's supervisor's word on its worker (supervisor.worker_state): "running",
         "restarting" or "gone" (also a daemon with no supervisor in this runtime dir)."""
-        return supervisor.worker_state(self.run_dir, self.endpoint)
+        state = supervisor.worker_state(self.run_dir, self.endpoint)
+        self._supervised = self._supervised or state != "gone"
+        return state
 
     async def _through_restart(self, call: Callable[[], Awaitable[Any]]) -> Any:
         """A control call that, when no worker answers but the supervisor is restarting it (or one
@@ -443,7 +454,7 @@ class Gateway:
         ids = [self._model_id(r) for r in rows]
         if name is None or name in ids or any(name == str(r.get("model")) for r in rows):
             return ids[0] if ids else (name or "dflash")
-        raise S.ApiError(404, f"The model '{name}' does not exist; this server serves {', '.join(ids)}",
+        raise S.ApiError(404, f"The model {P.shown(name)} does not exist; this server serves {', '.join(ids)}",
                          "invalid_request_error", "model", "model_not_found")
 
     def _model_object(self, row: dict) -> dict:
@@ -460,7 +471,7 @@ class Gateway:
         for row in rows:
             if name == self._model_id(row):
                 return web.json_response(self._model_object(row))
-        raise S.ApiError(404, f"The model '{name}' does not exist; this server serves "
+        raise S.ApiError(404, f"The model {P.shown(name)} does not exist; this server serves "
                          f"{', '.join(self._model_id(r) for r in rows)}", "invalid_request_error", "model",
                          "model_not_found")
 

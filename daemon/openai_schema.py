@@ -24,7 +24,7 @@ PROCESSORS = P.PROCESSOR_FIELDS
 _NUMBER_RANGE: dict[str, tuple[Callable[[float], bool], str]] = {
     "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
     "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
-    "repetition_penalty": (lambda v: 0 < v < float("inf"), "a finite number > 0"),
+    "repetition_penalty": (lambda v: P.finite_number(v) and v > 0, "a finite number > 0"),
 }
 BIAS_RANGE = 100  # OpenAI's: each bias in [-100, 100]
 # Sampling fields the engine does not apply, with the test for "asks for something": at any other
@@ -50,6 +50,7 @@ _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "chat_template_kw
 _COMPLETION_FIELDS = _COMMON | {"prompt"}
 MAX_STOP = 16  # the daemon's own cap
 MAX_DEPTH = P.MAX_NESTING  # JSON nesting the daemon accepts in a field (the body's own level is one more)
+MAX_LISTED = 8  # unknown fields an error message names
 
 
 class ApiError(Exception):
@@ -154,8 +155,10 @@ def _check_fields(body: Any, known: set[str]) -> None:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object", None, "invalid_type")
     extra = sorted(k for k in body if k not in known)
-    if extra:
-        raise bad(f"Unrecognized request argument supplied: {', '.join(extra)}", extra[0], "unknown_parameter")
+    if extra:  # a body of a thousand long names is not echoed whole
+        names = ", ".join(k if len(k) <= P.SHOWN_CHARS else P.shown(k) for k in extra[:MAX_LISTED])
+        more = f" (and {len(extra) - MAX_LISTED} more)" if len(extra) > MAX_LISTED else ""
+        raise bad(f"Unrecognized request argument supplied: {names}{more}", extra[0], "unknown_parameter")
 
 
 def _common(body: dict, kind: str, prompt: Any, raw: bool) -> GenRequest:
@@ -180,8 +183,11 @@ def _common(body: dict, kind: str, prompt: Any, raw: bool) -> GenRequest:
     _sampling(body, req)
     req.processors = _processors(body)
     req.unapplied = _unapplied(body)
-    req.verify_window = body.get("verify_window")
-    problem = P.verify_window_problem(req.verify_window)
+    req.verify_window = window = body.get("verify_window")
+    problem = P.verify_window_problem(window)
+    if problem is None and isinstance(window, int) and window > WIRE_INT_MAX:  # the wire cannot carry it
+        problem = ("verify_window must be 'auto', 'full' or a number of tokens in 1..2^64-1 (the draft's block size "
+                   f"bounds it), got {P.shown(window)}")
     if problem is not None:
         raise bad(problem, "verify_window")
     return req
@@ -205,7 +211,7 @@ def _check_count(body: dict, name: str, hint: str) -> None:
     if isinstance(v, bool) or not isinstance(v, int):
         raise bad(f"'{name}' must be an integer", name, "invalid_type")
     if v < 1:
-        raise bad(f"'{name}' must be >= 1, got {_shown(v)}", name)
+        raise bad(f"'{name}' must be >= 1, got {P.shown(v)}", name)
     if v > 1:
         raise bad(f"only {name}=1 is supported: {hint}", name, "unsupported_parameter")
 
@@ -247,10 +253,11 @@ def _sampling(body: dict, req: GenRequest) -> None:
             if name == "top_k" and v == -1:
                 v = 0
             if name == "top_k" and v > WIRE_INT_MAX:  # sampling_problem bounds seed; the wire bounds top_k
-                raise bad(f"top_k must be an integer in 0..2^64-1 (0 = off), got {_shown(v)}", name)
+                raise bad(f"top_k must be an integer in 0..2^64-1 (0 = off), got {P.shown(v)}", name)
         elif isinstance(v, bool) or not isinstance(v, (int, float)):
             raise bad(f"'{name}' must be a number", name, "invalid_type")
-        setattr(req, name, float(v) if name in ("temperature", "top_p", "min_p") else v)
+        # a number past a float's range (JSON's 10**400) stays an int: sampling_problem refuses it
+        setattr(req, name, float(v) if name in ("temperature", "top_p", "min_p") and P.finite_number(v) else v)
     problem = P.sampling_problem(req.temperature, req.top_p, req.top_k, req.seed, req.min_p, req.min_tokens_to_keep)
     if problem is not None:
         field_name, message = problem
@@ -270,7 +277,7 @@ def _processors(body: dict) -> dict[str, Any]:
         if not _number(v):
             raise bad(f"'{name}' must be a number", name, "invalid_type")
         if not in_range(v):  # NaN fails every comparison, so it lands here too
-            raise bad(f"{name} must be {where}, got {v!r}", name)
+            raise bad(f"{name} must be {where}, got {P.shown(v)}", name)
         out[name] = float(v)
     for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
         v = body.get(name)
@@ -287,8 +294,8 @@ def _processors(body: dict) -> dict[str, Any]:
             raise bad("'logit_bias' must be an object mapping token ids to numbers", "logit_bias", "invalid_type")
         for k, v in lb.items():
             if not -BIAS_RANGE <= v <= BIAS_RANGE:
-                raise bad(f"logit_bias values must be in [-{BIAS_RANGE}, {BIAS_RANGE}], got {v!r} for token {k}",
-                          "logit_bias")
+                raise bad(f"logit_bias values must be in [-{BIAS_RANGE}, {BIAS_RANGE}], got {P.shown(v)} for token "
+                          f"{P.shown(k)}", "logit_bias")
         if lb:
             out["logit_bias"] = {k: float(v) for k, v in lb.items()}
     problem = P.processors_problem(out)  # token ids as keys, context sizes >= 1: the daemon's rules
@@ -310,9 +317,9 @@ def _positive_int(v: Any, name: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise bad(f"'{name}' must be an integer", name, "invalid_type")
     if v < 1:
-        raise bad(f"'{name}' must be an integer >= 1, got {_shown(v)}", name)
+        raise bad(f"'{name}' must be an integer >= 1, got {P.shown(v)}", name)
     if v > WIRE_INT_MAX:  # past anything the daemon can be sent (its max_tokens_limit is far lower)
-        raise bad(f"'{name}' is over the daemon's max_tokens_limit, got {_shown(v)}", name)
+        raise bad(f"'{name}' is over the daemon's max_tokens_limit, got {P.shown(v)}", name)
     return v
 
 
@@ -335,7 +342,7 @@ def _message(m: Any, i: int) -> dict[str, str]:
     if role in ("tool", "function") or m.get("tool_calls") or m.get("function_call"):
         raise bad(f"{param}: tool messages and tool calls are not supported by this server", param, "unsupported_parameter")
     if role not in ("system", "developer", "user", "assistant"):
-        raise bad(f"{param}: unknown role {role!r}", f"{param}.role")
+        raise bad(f"{param}: unknown role {P.shown(role)}", f"{param}.role")
     if content is None and role == "assistant":
         content = ""
     if isinstance(content, list):
@@ -357,7 +364,7 @@ def _completion_prompt(p: Any) -> str | list[int]:
     if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         bad_id = next((t for t in p if not 0 <= t <= WIRE_INT_MAX), None)
         if bad_id is not None:  # the daemon checks the vocabulary's bound; these cannot even be sent
-            raise bad(f"'prompt' token ids must be >= 0 and inside the vocabulary, got {bad_id}", "prompt")
+            raise bad(f"'prompt' token ids must be >= 0 and inside the vocabulary, got {P.shown(bad_id)}", "prompt")
         return p
     if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
         raise bad("batched prompts are not supported: send one prompt per request", "prompt", "unsupported_parameter")
@@ -372,7 +379,7 @@ def _template_args(v: Any) -> dict | None:
         raise bad("'chat_template_kwargs' must be an object", "chat_template_kwargs", "invalid_type")
     for k in v:  # the daemon's own rule (a gateway list of its own once let {"self": 1} through as a 500)
         if not P.template_arg_allowed(k):
-            raise bad(f"chat_template_kwargs: {k!r} cannot be set", "chat_template_kwargs")
+            raise bad(f"chat_template_kwargs: {P.shown(k)} cannot be set", "chat_template_kwargs")
     return dict(v) or None
 
 
@@ -386,12 +393,6 @@ _QUOTED_FIELD = re.compile(r"\bfield '(\w+)'")
 _LEADING_FIELD = re.compile(r"(max_tokens|temperature|top_p|top_k|seed|min_p|min_tokens_to_keep|verify[_ ]window|"
                             r"logit_bias|(?:repetition|presence|frequency)_(?:penalty|context_size))\b")
 _PROMPT_WORDS = re.compile(r"\b(prompt|token ids?|messages?|frame of)\b", re.IGNORECASE)
-
-
-def _shown(v: object) -> str:
-    """A value for an error message, a huge number cut short (a 300-digit int is no help)."""
-    text = str(v)
-    return text if len(text) <= 24 else f"{text[:12]}... ({len(text)} digits)"
 
 
 def wire_field(message: str) -> str | None:

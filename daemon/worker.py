@@ -415,8 +415,8 @@ class Worker:
 
     def _validate_sparse(self, req: P.Submit) -> None:
         if req.cache is not None and req.cache not in P.CACHE_POLICIES:
-            raise P.ProtocolError(P.BAD_REQUEST, f"cache must be one of {', '.join(P.CACHE_POLICIES)}, got {req.cache!r}",
-                                  param="cache")
+            raise P.ProtocolError(P.BAD_REQUEST, f"cache must be one of {', '.join(P.CACHE_POLICIES)}, "
+                                  f"got {P.shown(req.cache)}", param="cache")
         if req.positions is not None and req.positions_name is not None:
             raise P.ProtocolError(P.BAD_REQUEST, "give positions or positions_name, not both", param="positions_name")
         sparse = req.positions is not None or req.positions_name is not None
