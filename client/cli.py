@@ -27,6 +27,7 @@ from click.core import ParameterSource
 
 from dflash.daemon import codec
 from dflash.daemon import protocol as P
+from dflash.daemon.cli import ShownFloat, ShownFloatRange, ShownInt, ShownIntRange
 
 from . import errors as E
 from .client import DFlashClient, Result
@@ -34,9 +35,15 @@ from .client import DFlashClient, Result
 EXIT = {E.BusyError: 4, E.BadRequestError: 2, E.WorkerUnavailableError: 3, E.WorkerGoneError: 3, E.NotFoundError: 5}
 
 
+def exit_code(e: E.DFlashError) -> int:
+    """The documented exit status of an error, by its nearest class in EXIT (1: none): a
+    ProtocolVersionError is a BadRequestError, 2, where the exact class's lookup gave 1."""
+    return next((EXIT[c] for c in type(e).__mro__ if c in EXIT), 1)
+
+
 def _fail(e: E.DFlashError) -> NoReturn:
     click.echo(f"dflash-client: {e.describe(_this_cli())}", err=True)
-    sys.exit(EXIT.get(type(e), 1))
+    sys.exit(exit_code(e))
 
 
 def cli_command(endpoint: str | None = None, config_path: str | None = None, timeout: float | None = None) -> str:
@@ -163,18 +170,18 @@ def sampling_options(f):
     """--temperature / --top-p / --top-k / --min-p / --min-tokens-to-keep / --seed, range-checked (None: not
     given)."""
     opts = [
-        click.option("--temperature", "-t", type=click.FloatRange(min=0), default=None, callback=_finite,
+        click.option("--temperature", "-t", type=ShownFloatRange(min=0), default=None, callback=_finite,
                      help="Sampling temperature; 0 = greedy. [default: the daemon's, normally 0]"),
-        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
+        click.option("--top-p", type=ShownFloatRange(0, 1, min_open=True), default=None,
                      help="Nucleus sampling: keep the smallest set of tokens with this mass; 1 = off."),
-        click.option("--top-k", type=click.IntRange(min=0), default=None,
+        click.option("--top-k", type=ShownIntRange(min=0), default=None,
                      help="Keep the k most likely tokens; 0 = off."),
-        click.option("--min-p", type=click.FloatRange(0, 1), default=None, callback=_finite,
+        click.option("--min-p", type=ShownFloatRange(0, 1), default=None, callback=_finite,
                      help="Keep the tokens at least this fraction as likely as the most likely one; 0 = off."),
-        click.option("--min-tokens-to-keep", type=click.IntRange(min=1), default=None,
+        click.option("--min-tokens-to-keep", type=ShownIntRange(min=1), default=None,
                      help="With --min-p: the number of most likely tokens min-p always keeps (mlx-lm's "
                           "min_tokens_to_keep). [default: the daemon's, normally 1]"),
-        click.option("--seed", type=click.IntRange(0, (1 << 64) - 1), default=None,
+        click.option("--seed", type=ShownIntRange(0, (1 << 64) - 1), default=None,
                      help="Random seed; default: a random one (printed with --stats, and in --json). The same seed repeats the same ids when the daemon's verify_window is fixed."),
     ]
     for opt in reversed(opts):
@@ -198,9 +205,9 @@ def processor_options(f):
     opts = [click.option("--logit-bias", multiple=True, callback=bias_option, metavar="ID=BIAS",
                          help="Add BIAS to token ID's logit (repeatable).")]
     for kind, off in (("repetition", "1 = off; > 0"), ("presence", "0 = off"), ("frequency", "0 = off")):
-        opts += [click.option(f"--{kind}-penalty", type=float, default=None, callback=_finite,
+        opts += [click.option(f"--{kind}-penalty", type=ShownFloat(), default=None, callback=_finite,
                               help=f"mlx-lm's {kind} penalty ({off}) over the last tokens."),
-                 click.option(f"--{kind}-context-size", type=click.IntRange(min=1), default=None,
+                 click.option(f"--{kind}-context-size", type=ShownIntRange(min=1), default=None,
                               help=f"Tokens the {kind} penalty looks back over (default 20).")]
     for opt in reversed(opts):
         f = opt(f)
@@ -211,7 +218,7 @@ def processor_options(f):
 @click.option("--endpoint", envvar="DFLASH_ENDPOINT", default=None,
               help="Worker endpoint (default: DFLASH_ENDPOINT, else from the config).")
 @click.option("--config", "config_path", default=None, help="dflashd TOML config to read the endpoint from.")
-@click.option("--timeout", default=30.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+@click.option("--timeout", default=30.0, show_default=True, type=ShownFloatRange(min=0, min_open=True),
               callback=_finite, help="Seconds to wait for the worker to answer (> 0).")
 @click.pass_context
 def main(ctx, endpoint, config_path, timeout):
@@ -277,9 +284,9 @@ def _position_range(part: str) -> tuple[int, int]:
     try:
         start, end = int(lo), int(hi if dash else lo)
     except ValueError:
-        raise ValueError(f"{part!r} is not a position (an index >= 0) or a range such as 0-63") from None
+        raise ValueError(f"{P.shown(part)} is not a position (an index >= 0) or a range such as 0-63") from None
     if end < start:
-        raise ValueError(f"bad range {part}: the end is before the start")
+        raise ValueError(f"bad range {P.shown(start)}-{P.shown(end)}: the end is before the start")
     return start, end
 
 
@@ -295,10 +302,10 @@ def _positions(ctx, param, value: str | None) -> list[int] | None:
 
 @main.command()
 @click.argument("text", required=False)
-@click.option("--max-tokens", "-m", default=256, show_default=True, type=int)
+@click.option("--max-tokens", "-m", default=256, show_default=True, type=ShownInt())
 @click.option("--system", default=None, help="System message.")
 @click.option("--stop", multiple=True, callback=_stops, help="Stop sequence (repeatable).")
-@click.option("--priority", default=0, show_default=True, type=int, help="Higher runs first.")
+@click.option("--priority", default=0, show_default=True, type=ShownInt(), help="Higher runs first.")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats).")
 @click.option("--cache", type=click.Choice(["use", "bypass", "refresh"]), default=None,

@@ -17,7 +17,45 @@ from typing import Any, NoReturn
 import click
 
 from . import paths, supervisor
+from . import protocol as P
 from .config import ConfigError, DaemonConfig, load_config
+
+
+class _ShownNumber:
+    """Click's number types with the value an error names clipped as the daemon's errors clip it
+    (protocol.shown): click echoed every digit of `--seed 1000...` (300 digits), and all 5,000
+    characters of a value too long for int() to read. The one implementation for `dflash`,
+    `dflash-client` and `dflashd`; valid values convert exactly as click's own types do."""
+
+    number: type  # int or float
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                value = self.number(value)
+            except ValueError:  # not a number, or past 4300 digits (int() refuses to read those)
+                self.fail(f"{P.shown(value)} is not a valid {self.name}.", param, ctx)
+        try:
+            return super().convert(value, param, ctx)  # type: ignore[misc]
+        except click.BadParameter as e:  # out of range: click names the whole number
+            e.message = e.message.replace(str(value), P.shown(value), 1)
+            raise
+
+
+class ShownInt(_ShownNumber, click.types.IntParamType):
+    number = int
+
+
+class ShownIntRange(_ShownNumber, click.IntRange):
+    number = int
+
+
+class ShownFloat(_ShownNumber, click.types.FloatParamType):
+    number = float
+
+
+class ShownFloatRange(_ShownNumber, click.FloatRange):
+    number = float
 
 
 class BadConfig(click.ClickException):
@@ -38,7 +76,7 @@ def _config_options(f: Any) -> Any:
         click.option("--endpoint", default=None, help="ipc://PATH or tcp://HOST:PORT."),
         click.option("--state-dir", default=None, help="Jobs, results and logs."),
         click.option("--runtime-dir", default=None, help="Sockets and pid files (mode 0700)."),
-        click.option("--max-queue", default=None, type=int),
+        click.option("--max-queue", default=None, type=ShownInt()),
         click.option("--blas", default=None, type=click.Choice(["auto", "mkl", "none"])),
     ]
     for opt in reversed(opts):
@@ -176,7 +214,19 @@ def _stats(cfg: DaemonConfig, timeout: float) -> dict | None:
         return None
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Cli(click.Group):
+    """Ctrl-C in a command that does not handle it ends with one line and 130, not click's
+    "Aborted!" and exit 1 (`start` also stops what it started: _interrupted)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("\ndflashd: interrupted", err=True)
+            sys.exit(130)
+
+
+@click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """dflashd: the local DFlash daemon (worker, job queue, supervisor)."""
 
@@ -184,7 +234,7 @@ def main() -> None:
 @main.command()
 @_config_options
 @click.option("--foreground", is_flag=True, help="Run the supervisor attached (launchd/systemd).")
-@click.option("--wait", "wait_s", default=120.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+@click.option("--wait", "wait_s", default=120.0, show_default=True, type=ShownFloatRange(min=0, min_open=True),
               callback=_seconds, help="Seconds to wait for the model to load.")
 def start(config_path, foreground, wait_s, **flags):
     """Start the supervisor, which starts the worker (and restarts it if it dies)."""
@@ -207,8 +257,11 @@ def start(config_path, foreground, wait_s, **flags):
         [sys.executable, "-m", "dflash.daemon.supervisor", "--config-json", cfg.to_json()],
         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
-    st = _wait_ready(proc, cfg, wait_s, log_dir / "dflashd.log")
-    cache_error = _cache_failure(cfg, proc.pid)
+    try:
+        st = _wait_ready(proc, cfg, wait_s, log_dir / "dflashd.log")
+        cache_error = _cache_failure(cfg, proc.pid)
+    except KeyboardInterrupt:  # click said "Aborted!", exit 1, and left the daemon loading
+        _interrupted(proc, cfg)
     click.echo(f"dflashd started (supervisor {proc.pid}, worker {st['pid']}) at {cfg.resolved_endpoint()}; {st['accel']}")
     from dflash.client.cli import store_notes
 
@@ -265,6 +318,16 @@ def _stop_started(proc: subprocess.Popen, cfg: DaemonConfig, grace_s: float = 30
     supervisor.stop_orphans(cfg)  # what a supervisor killed here could not stop
 
 
+def _interrupted(proc: subprocess.Popen, cfg: DaemonConfig) -> NoReturn:
+    """Ctrl-C while `start` waits: stop what it started, as a start that fails does, and exit 130.
+    A second Ctrl-C is ignored meanwhile: it would leave the supervisor half stopped."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    click.echo(f"\ndflashd: interrupted: stopping the daemon this start started (supervisor {proc.pid}, which "
+               "stops its worker and cache process)", err=True)
+    _stop_started(proc, cfg)
+    sys.exit(130)
+
+
 def _one_line(text: str) -> str:
     """An error message for one output line (an exception's text may span several)."""
     return " ".join(text.split())
@@ -272,7 +335,7 @@ def _one_line(text: str) -> str:
 
 @main.command()
 @_config_options
-@click.option("--timeout", default=30.0, show_default=True, type=click.FloatRange(min=0), callback=_seconds)
+@click.option("--timeout", default=30.0, show_default=True, type=ShownFloatRange(min=0), callback=_seconds)
 def stop(config_path, timeout, **flags):
     """Ask the worker to shut down (a running job is re-queued), wait for the supervisor, then stop
     whatever a supervisor that died (kill -9) left running."""
@@ -355,7 +418,7 @@ def status(config_path, as_json, **flags):
 
 @main.command()
 @_config_options
-@click.option("--wait", "wait_s", default=120.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+@click.option("--wait", "wait_s", default=120.0, show_default=True, type=ShownFloatRange(min=0, min_open=True),
               callback=_seconds)
 @click.pass_context
 def restart(ctx, config_path, wait_s, **flags):
@@ -368,7 +431,7 @@ def restart(ctx, config_path, wait_s, **flags):
 
 @main.command()
 @_config_options
-@click.option("-n", "lines", default=50, show_default=True, type=click.IntRange(min=0),
+@click.option("-n", "lines", default=50, show_default=True, type=ShownIntRange(min=0),
               help="Print the last N lines (0: none, e.g. with -f).")
 @click.option("-f", "follow", is_flag=True, help="Keep printing new lines (until Ctrl-C).")
 def logs(config_path, lines, follow, **flags):

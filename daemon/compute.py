@@ -103,13 +103,14 @@ class Compute:
 
     def _load(self) -> None:
         try:
+            from dflash.engine.generate import context_tokens
             from dflash.engine.loading import load_pair
 
             pair = load_pair(self.cfg.model, self.cfg.draft, dtype=self.cfg.dtype)
             _check_window(self.cfg, pair)  # before self.pair: a pair that fails it runs no job
             self.pair = pair
             self.vocab_size = int(self.pair.target.vocab_size)
-            self.context_tokens = _context_tokens(getattr(self.pair.target, "args", None))
+            self.context_tokens = context_tokens(self.pair.target)
             log.info("loaded %s with draft %s", self.pair.model_path, self.pair.draft_path)
             self._recall_windows()
             if self.cfg.cache:
@@ -342,7 +343,7 @@ class Compute:
         return self.window_memory.setdefault(greedy, WindowMemory())
 
     def _prompt_ids(self, req: dict) -> list[int]:
-        from dflash.engine.generate import prompt_ids
+        from dflash.engine.generate import context_problem, prompt_ids
         from dflash.engine.prompting import build_prompt
 
         if req.get("token_ids") is not None:
@@ -357,9 +358,8 @@ class Compute:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds max_prompt_tokens={self.cfg.max_prompt_tokens}")
         # A prompt the model's context cannot hold ran anyway (a long prefill, then an answer from
         # positions the model was never trained on, as a 200): refused, as OpenAI's API does.
-        if self.context_tokens and len(ids) >= self.context_tokens:
-            raise ValueError(f"prompt of {len(ids)} tokens does not fit the model's context of {self.context_tokens} "
-                             "tokens (none would be left for the answer): send a shorter prompt")
+        if problem := context_problem(len(ids), self.context_tokens):
+            raise ValueError(problem)
         return ids
 
     def _template_args_at_fault(self, req: dict) -> bool:
@@ -397,21 +397,6 @@ class Compute:
             "vocab_size": self.vocab_size,
             "dtype": self.cfg.dtype,
         }
-
-
-def _context_tokens(args: Any) -> int:
-    """The target's context length from its config (max_position_embeddings, times a numeric
-    rope_scaling factor: YaRN / linear / dynamic extend it), 0 when it declares none. Errs long,
-    never short: llama3-style scaling's max_position_embeddings is already the extended one, and
-    multiplying it only makes the check more lenient."""
-    n = getattr(args, "max_position_embeddings", None)
-    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-        return 0
-    scaling = getattr(args, "rope_scaling", None)
-    factor = scaling.get("factor") if isinstance(scaling, dict) else None
-    if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1:
-        n = int(n * factor)
-    return n
 
 
 def _template_refusal(e: BaseException) -> str | None:

@@ -208,8 +208,15 @@ WINDOW_POLICIES = ("auto", "full")  # a verify window by name; else a token coun
 
 
 def window_from_text(text: str) -> str | int:
-    """A verify window written as text (a config value, a command-line flag): digits are a count."""
-    return int(text) if text.isdigit() else text
+    """A verify window written as text (a config value, a command-line flag): digits are a count.
+    Text int() cannot read ("²", or past 4300 digits: a traceback before) stays text, which
+    verify_window_problem then refuses, clipped."""
+    if not text.isdigit():
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 def verify_window_problem(value: Any) -> str | None:

@@ -185,8 +185,12 @@ def maybe_reexec(blas: str | None = None, module: str | None = None) -> None:
     else:
         head = ["-m", module]
     env = dict(os.environ, **extra)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):  # None when started with it closed (`>&-`)
+        if stream is not None:
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe: its text is lost either way
+                pass
     os.execve(sys.executable, [sys.executable, *head, *sys.argv[1:]], env)
 
 

@@ -14,6 +14,8 @@ from typing import Any, Callable, NoReturn
 
 import click
 
+from dflash.daemon.cli import ShownFloat, ShownFloatRange, ShownInt, ShownIntRange
+
 from .bench.cli import benchmark_command, finite_option, window_option
 from .tiny import ARCH_CONFIGS
 
@@ -85,42 +87,42 @@ def _kv_bits(ctx: click.Context, param: click.Parameter, value: int | None) -> i
 @click.option("--model", "model_path", required=True, help="Target model directory (mlx-lm format).")
 @click.option("--draft", "draft_path", default=None, help="Draft directory; omitted: resolved from the registry.")
 @click.option("--prompt", "-p", default=None, callback=_utf8, help="Prompt text; '-' or omitted reads stdin.")
-@click.option("--max-tokens", "-m", default=256, show_default=True, type=click.IntRange(1))
+@click.option("--max-tokens", "-m", default=256, show_default=True, type=ShownIntRange(1))
 @click.option("--system", default=None, callback=_utf8, help="System message (chat models).")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @click.option("--stop", multiple=True, callback=_stops, help="Stop sequence (repeatable).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, help="Cast target and draft (CPU: float32 is fastest).")
-@click.option("--kv-bits", type=int, default=None, callback=_kv_bits,
+@click.option("--kv-bits", type=ShownInt(), default=None, callback=_kv_bits,
               help="Quantize the target's KV cache to this many bits (2, 3, 4, 5, 6 or 8).")
 @click.option("--verify-window", default="auto", show_default=True, callback=window_option,
               help="Tokens per verify: auto, full, or 1..block size (1 = plain decoding).")
 @click.option("--copy-draft/--no-copy-draft", default=True, show_default=True,
               help="When the text repeats itself, verify a copy of what followed its last tokens instead of the draft's block, where that is expected to pay.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats, sampling).")
-@click.option("--temperature", "-t", type=click.FloatRange(min=0), default=0.0, show_default=True,
+@click.option("--temperature", "-t", type=ShownFloatRange(min=0), default=0.0, show_default=True,
               callback=finite_option, help="Sampling temperature; 0 = greedy (lossless: the target's argmax).")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
+@click.option("--top-p", type=ShownFloatRange(0, 1, min_open=True), default=1.0, show_default=True,
               callback=finite_option,
               help="Nucleus sampling (with --temperature > 0): keep the smallest set of tokens with this mass; 1 = off.")
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--top-k", type=ShownIntRange(min=0), default=0, show_default=True,
               help="Sampling (with --temperature > 0): keep the k most likely tokens; 0 = off.")
-@click.option("--min-p", type=click.FloatRange(0, 1), default=0.0, show_default=True, callback=finite_option,
+@click.option("--min-p", type=ShownFloatRange(0, 1), default=0.0, show_default=True, callback=finite_option,
               help="Sampling (with --temperature > 0): keep the tokens at least this fraction as likely as the "
                    "most likely one; 0 = off.")
-@click.option("--min-tokens-to-keep", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--min-tokens-to-keep", type=ShownIntRange(min=1), default=1, show_default=True,
               help="With --min-p: the number of most likely tokens min-p always keeps (mlx-lm's min_tokens_to_keep).")
 @click.option("--logit-bias", multiple=True, callback=_bias, metavar="ID=BIAS",
               help="Add BIAS to token ID's logit (repeatable; mlx-lm's logits processors, greedy or sampled).")
-@click.option("--repetition-penalty", type=float, default=None, callback=finite_option,
+@click.option("--repetition-penalty", type=ShownFloat(), default=None, callback=finite_option,
               help="mlx-lm's repetition penalty (> 0; 1 = off) over the last --repetition-context-size tokens.")
-@click.option("--repetition-context-size", type=click.IntRange(min=1), default=20, show_default=True)
-@click.option("--presence-penalty", type=float, default=None, callback=finite_option,
+@click.option("--repetition-context-size", type=ShownIntRange(min=1), default=20, show_default=True)
+@click.option("--presence-penalty", type=ShownFloat(), default=None, callback=finite_option,
               help="Subtracted once from each token of the last --presence-context-size (0 = off).")
-@click.option("--presence-context-size", type=click.IntRange(min=1), default=20, show_default=True)
-@click.option("--frequency-penalty", type=float, default=None, callback=finite_option,
+@click.option("--presence-context-size", type=ShownIntRange(min=1), default=20, show_default=True)
+@click.option("--frequency-penalty", type=ShownFloat(), default=None, callback=finite_option,
               help="Subtracted per occurrence in the last --frequency-context-size (0 = off).")
-@click.option("--frequency-context-size", type=click.IntRange(min=1), default=20, show_default=True)
-@click.option("--seed", type=click.IntRange(0, (1 << 64) - 1), default=None,
+@click.option("--frequency-context-size", type=ShownIntRange(min=1), default=20, show_default=True)
+@click.option("--seed", type=ShownIntRange(0, (1 << 64) - 1), default=None,
               help="Random seed for sampling; default: a random one, printed. The same seed repeats the same ids under a fixed --verify-window (auto follows timings).")
 @click.option("--compare-plain", is_flag=True,
               help="Then decode the same prompt plainly (verify window 1) and print the measured speedup and "
@@ -132,7 +134,7 @@ def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtyp
     Ctrl-C stops after the current cycle and still prints the stats (--json: the JSON so far,
     finish_reason "cancelled"), exit status 130; a second Ctrl-C quits at once.
     """
-    from .generate import COMPARING, format_stats, plain_comparison
+    from .generate import COMPARING, context_problem, context_tokens, format_stats, plain_comparison
     from .loading import load_pair
     from .prompting import build_prompt
 
@@ -150,6 +152,8 @@ def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtyp
         pair = load_pair(model_path, draft_path, dtype=dtype)
         _check_pair(pair, compare_plain)
         ids = build_prompt(pair.tokenizer, prompt, system=system, raw=raw)
+        if (problem := context_problem(len(ids), context_tokens(pair.target))) is not None:
+            raise BadInput(problem)  # the daemon's rule and words: it refuses the same prompt
         common = dict(stop=stop, kv_bits=kv_bits, **sampling, **processors)
         with CtrlC() as cancel:
             final = _decode(pair, ids, max_tokens, not as_json, cancel, verify_window=verify_window,
@@ -294,7 +298,7 @@ def _decode(pair: Any, ids: list[int], max_tokens: int, echo: bool, cancel: Call
 @click.argument("out_dir")
 @click.option("--arch", type=click.Choice(list(ARCH_CONFIGS)), default="qwen3", show_default=True,
               help="Tiny target family.")
-@click.option("--draft-layers", default=1, show_default=True, type=click.IntRange(1),
+@click.option("--draft-layers", default=1, show_default=True, type=ShownIntRange(1),
               help="Layers of the random draft.")
 @click.option("--force", is_flag=True, help="Replace OUT_DIR when it exists and is not empty.")
 def make_tiny(out_dir: str, arch: str, draft_layers: int, force: bool) -> None:

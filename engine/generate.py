@@ -475,6 +475,33 @@ def prompt_ids(tokenizer: Any, prompt: str | Sequence[int], vocab_size: int) -> 
     return ids
 
 
+def context_tokens(target: Any) -> int:
+    """The target's context length from its config (max_position_embeddings, times a numeric
+    rope_scaling factor: YaRN / linear / dynamic extend it), 0 when it declares none. Errs long,
+    never short: llama3-style scaling's max_position_embeddings is already the extended one, and
+    multiplying it only makes the check more lenient."""
+    args = getattr(target, "args", None)
+    n = getattr(args, "max_position_embeddings", None)
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+        return 0
+    scaling = getattr(args, "rope_scaling", None)
+    factor = scaling.get("factor") if isinstance(scaling, dict) else None
+    if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1:
+        n = int(n * factor)
+    return n
+
+
+def context_problem(prompt_tokens: int, context: int) -> str | None:
+    """Why a prompt of this many tokens cannot run in a context of `context` tokens (0: none
+    declared, anything runs), else None: it must leave a position for the answer. A longer one
+    ran anyway (a long prefill, then an answer from positions the model was never trained on);
+    the daemon refuses it with these words too. max_tokens is not added: the answer may run on."""
+    if context and prompt_tokens >= context:
+        return (f"prompt of {prompt_tokens} tokens does not fit the model's context of {context} "
+                "tokens (none would be left for the answer): send a shorter prompt")
+    return None
+
+
 def sampling_line(sampling: dict[str, Any]) -> str:
     """The sampling a run used, its seed included (drawn when none was given), so that a sampled
     run can be repeated; "" for greedy runs."""

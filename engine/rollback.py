@@ -153,7 +153,9 @@ def kv_bits_problem(bits: int | None) -> str | None:
     checked before a model or a job runs, not when the first prefill ends."""
     if not bits or bits in KV_BITS:
         return None
-    return f"kv_bits must be one of {', '.join(map(str, KV_BITS))}, got {bits}"
+    from ..daemon.protocol import shown
+
+    return f"kv_bits must be one of {', '.join(map(str, KV_BITS))}, got {shown(bits)}"
 
 
 def quantize_kv(caches: list[Any], bits: int | None, group_size: int = 64) -> None:

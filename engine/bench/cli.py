@@ -38,13 +38,14 @@ def finite_option(_ctx: Any, _param: Any, value: float | None) -> float | None:
 def window_option(_ctx: Any, _param: Any, value: str) -> str:
     """--verify-window's form (auto, full, a count >= 1) checked as an option, before any model
     loads; whether the draft's block and the target's caches take it is checked once loaded."""
+    from ...daemon.protocol import shown
     from ..window import fixed_window
 
     try:
         fixed_window(value, 1 << 30)
     except ValueError:
         raise click.BadParameter(f"auto, full or a number of tokens >= 1 (1 = plain decoding); "
-                                 f"got {value!r}") from None
+                                 f"got {shown(value)}") from None
     return value
 
 
