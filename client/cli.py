@@ -19,7 +19,6 @@ import math
 import os
 import shlex
 import sys
-import tomllib
 from typing import Any, Iterator, NoReturn
 
 import click
@@ -27,6 +26,7 @@ from click.core import ParameterSource
 
 from dflash.daemon import codec
 from dflash.daemon import protocol as P
+from dflash.daemon.config import tomllib  # tomli on Python 3.10
 from dflash.daemon.cli import ShownFloat, ShownFloatRange, ShownInt, ShownIntRange
 
 from . import errors as E
@@ -223,7 +223,7 @@ def processor_options(f):
 @click.pass_context
 def main(ctx, endpoint, config_path, timeout):
     """Talk to a running dflashd."""
-    if sys.stdout is None:  # started with stdout closed (`>&-`): every answer would be lost, exit 0
+    if sys.stdout is None:  # started with stdout closed (`>&-`): every answer was lost and it exited 0
         _usage_error("stdout is closed: there is nowhere to print the answer (nothing was sent)")
     try:
         ctx.obj = DFlashClient(endpoint, config=config_path, timeout=timeout)
