@@ -1,10 +1,11 @@
 """`dflash-client`: prompt the daemon from a shell; fetch a job's result by id; status and jobs;
 inspect and clear the prefix cache.
 
-Every error is one line on stderr. Exit codes: 0 done, 1 the job failed, 2 usage or bad request
-(including a prompt, from stdin or an argument, that is not UTF-8: refused, never guessed at), 3 no
-worker / worker died (a kept job's error prints the `result` command, with this run's --endpoint,
---config and --timeout), 4 busy (queue full), 5 no such job (or its result expired) or position
+Every error is one line on stderr (a line of its own also after part of a streamed answer). Exit
+codes: 0 done, 1 the job failed, 2 usage or bad request (including `--endpoint ""` and a prompt,
+from stdin or an argument, that is not UTF-8: refused, never guessed at), 3 no worker / worker died
+(a kept job's error prints the `result` command, with this run's --endpoint, --config and
+--timeout), 4 busy (queue full), 5 no such job (or its result expired) or position
 list, 6 the job was cancelled by someone else (`dflash-client cancel`, another client: the text is
 cut short), 124 the job hit its time limit, 130 Ctrl-C (cancels a `prompt`; `result` only stops
 waiting), 141 stdout was closed before all was written (`| head`: a `prompt`'s job is cancelled).
@@ -41,9 +42,25 @@ def exit_code(e: E.DFlashError) -> int:
     return next((EXIT[c] for c in type(e).__mro__ if c in EXIT), 1)
 
 
-def _fail(e: E.DFlashError) -> NoReturn:
-    click.echo(f"dflash-client: {e.describe(_this_cli())}", err=True)
+def _fail(e: E.DFlashError, lead: str = "") -> NoReturn:
+    click.echo(f"{lead}dflash-client: {e.describe(_this_cli())}", err=True)
     sys.exit(exit_code(e))
+
+
+def end_open_line() -> str:
+    """Streamed text stopped mid-line: end that line so an error is a line of its own. The newline
+    goes to stdout only when it is a terminal (redirected, stdout's bytes stay exactly the
+    answer); when stderr is the very file or pipe stdout is (`2>&1`), it leads stderr's line,
+    which is returned ("" otherwise)."""
+    try:
+        if sys.stdout.isatty():
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            return ""
+        out, err = os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError, AttributeError):  # a stream without a file (closed, in-memory)
+        return ""
+    return "\n" if (out.st_dev, out.st_ino) == (err.st_dev, err.st_ino) else ""
 
 
 def cli_command(endpoint: str | None = None, config_path: str | None = None, timeout: float | None = None) -> str:
@@ -73,10 +90,16 @@ def _usage_error(message: str) -> NoReturn:
     sys.exit(2)
 
 
+STDIN_HINT = "dflash-client: reading the prompt from stdin (end it with Ctrl-D)"  # `dflash generate`'s words
+
+
 def _stdin_text() -> str:
-    """stdin as UTF-8, strictly: bytes that are not UTF-8 are refused, never guessed at."""
+    """stdin as UTF-8, strictly: bytes that are not UTF-8 are refused, never guessed at. A
+    terminal is told it is being read (a bare `dflash-client prompt` would look hung)."""
     if sys.stdin is None:  # started with stdin closed (`<&-`, some service managers)
         _usage_error("no prompt: give TEXT, or pipe it on stdin (stdin is closed)")
+    if sys.stdin.isatty():
+        click.echo(STDIN_HINT, err=True)
     try:
         data = sys.stdin.buffer.read()
     except OSError as e:
@@ -214,8 +237,16 @@ def processor_options(f):
     return f
 
 
+def _endpoint(ctx, param, value: str | None) -> str | None:
+    """`--endpoint ""` (a `--endpoint "$UNSET"`) is refused, not taken for the default endpoint;
+    an empty DFLASH_ENDPOINT still means the default one, as the daemon's config reads it."""
+    if value == "":
+        raise click.BadParameter("it is empty: an endpoint is ipc://PATH or tcp://HOST:PORT")
+    return value
+
+
 @click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--endpoint", envvar="DFLASH_ENDPOINT", default=None,
+@click.option("--endpoint", envvar="DFLASH_ENDPOINT", default=None, callback=_endpoint,
               help="Worker endpoint (default: DFLASH_ENDPOINT, else from the config).")
 @click.option("--config", "config_path", default=None, help="dflashd TOML config to read the endpoint from.")
 @click.option("--timeout", default=30.0, show_default=True, type=ShownFloatRange(min=0, min_open=True),
@@ -340,11 +371,13 @@ def prompt(client: DFlashClient, text, max_tokens, system, stop, priority, raw, 
         stream = client.stream(text, cache=cache, verify_window=verify_window, **job)
     except E.DFlashError as e:
         _fail(e)
+    open_line = False  # the streamed text so far does not end with a newline
     try:
         for delta in stream:
-            if not as_json:
+            if not as_json and delta.text:
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
+                open_line = not delta.text.endswith("\n")
     except KeyboardInterrupt:
         stream.close()  # sends cancel
         click.echo("\ndflash-client: cancelled", err=True)
@@ -352,8 +385,8 @@ def prompt(client: DFlashClient, text, max_tokens, system, stop, priority, raw, 
     except BrokenPipeError:  # `| head` has read enough: the rest is not wanted
         stream.close()  # sends cancel, now rather than whenever the stream is collected
         output_closed("dflash-client", f"; job {stream.job_id} was cancelled")
-    except E.DFlashError as e:
-        _fail(e)
+    except E.DFlashError as e:  # e.g. the worker died mid-answer: the error on a line of its own
+        _fail(e, end_open_line() if open_line else "")
     res = stream.result
     plain = None
     text_shown = True
