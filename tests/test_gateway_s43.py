@@ -53,15 +53,21 @@ def test_a_request_during_the_restart_backoff_is_served(make_daemon):  # noqa: F
     assert "restarting it: waiting" in (d.dir / next(p.name for p in d.dir.glob("gateway-*.log"))).read_text()
 
 
+def stop_whole_daemon(d) -> None:
+    """SIGTERM to the daemon's process group: stopped, not restarting (the supervisor goes too),
+    and its supervisor.json then reads "gone"."""
+    os.killpg(d.proc.pid, signal.SIGTERM)
+    try:
+        d.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the daemon did not stop in 60 s; its log:\n{d.logs()[-3000:]}")
+    assert supervisor.worker_state(d.cfg.runtime_path(), d.endpoint) == "gone"
+
+
 def test_a_daemon_that_is_gone_is_answered_at_once(make_daemon):  # noqa: F811
     d = make_daemon(restart_backoff_s=BACKOFF_S)
     with Gateway(d, "--api-key", KEY) as g:
-        os.killpg(d.proc.pid, signal.SIGTERM)  # stopped, not restarting: the supervisor goes too
-        try:
-            d.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the daemon did not stop in 60 s; its log:\n{d.logs()[-3000:]}")
-        assert supervisor.worker_state(d.cfg.runtime_path(), d.endpoint) == "gone"
+        stop_whole_daemon(d)
         for method, path, body in (("POST", CHAT, {"messages": MSGS, "max_tokens": 4}), ("GET", "/v1/models", None),
                                    ("GET", "/health", None)):
             start = time.monotonic()

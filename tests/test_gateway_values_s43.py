@@ -9,15 +9,13 @@ Real daemon, real `dflash serve --attach` processes, raw HTTP and raw ZeroMQ, ti
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 from daemon_fixtures import make_daemon, raw_request, tiny_pair  # noqa: F401
 from test_gateway import KEY, MSGS, Gateway, _error, daemon, pair  # noqa: F401
+from test_gateway_s43 import stop_whole_daemon
 
 from dflash.daemon import protocol as P
 from dflash.daemon import supervisor
@@ -140,12 +138,7 @@ def test_a_chat_right_after_the_daemon_stopped_is_answered_503_at_once(make_daem
         checked = time.monotonic()
         status, _, raw = g.http("GET", "/v1/models")  # the model check the next chat trusts for 5 s
         assert status == 200, raw
-        os.killpg(d.proc.pid, signal.SIGTERM)  # stopped, not restarting: the supervisor goes too
-        try:
-            d.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the daemon did not stop in 60 s; its log:\n{d.logs()[-3000:]}")
-        assert supervisor.worker_state(d.cfg.runtime_path(), d.endpoint) == "gone"
+        stop_whole_daemon(d)
         start = time.monotonic()
         assert start - checked < MODELS_TTL_S, "too slow to send the chat while the model check stands"
         status, _, raw = g.http("POST", CHAT, {"messages": MSGS, "max_tokens": 4})
