@@ -101,6 +101,16 @@ def shown(value: Any) -> str:
     return f"{text[:SHOWN_CHARS - 24]}…({len(text)} characters)"
 
 
+REASON_CHARS = 200  # an exception's text quoted in a one-line error
+
+
+def reason_line(text: object, limit: int = REASON_CHARS) -> str:
+    """An exception's text (or any) on one line and at most `limit` characters ("..." after):
+    MLX's and mlx-lm's messages span lines and can list every parameter of a model."""
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
 class ProtocolError(Exception):
     """A request that cannot be served; becomes an `Error` reply with this code. `peer_version`:
     the version a `bad_version` message spoke (None otherwise); `param`: the offending field."""
@@ -159,9 +169,9 @@ PENALTY_FIELDS = ("repetition_penalty", "repetition_context_size", "presence_pen
                   "frequency_penalty", "frequency_context_size")
 PROCESSOR_FIELDS = ("logit_bias", *PENALTY_FIELDS)
 MAX_TOKEN_ID_DIGITS = 20  # 2^64 - 1 has 20: a longer key cannot be a token id
-BIAS_MAX = 1e30  # engine/processors.BIAS_MAX: a larger bias is inf in float32 (the engine refuses it)
-PENALTY_MAX = 1e30  # engine/processors.PENALTY_MAX and REPETITION_MIN: the penalties' float32-safe
-REPETITION_MIN = 1e-30  # ranges (a repetition penalty of 1e-40 is 0 there: garbage draws)
+BIAS_MAX = 1e30  # a larger bias is inf in float32 (engine/processors.py checks with these too)
+PENALTY_MAX = 1e30  # the penalties' float32-safe ranges (a repetition penalty of 1e-40 is 0
+REPETITION_MIN = 1e-30  # there: garbage draws)
 
 
 def processors_problem(values: dict[str, Any]) -> tuple[str, str] | None:

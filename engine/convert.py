@@ -493,12 +493,12 @@ def _check_loads(path: Path, out: Path) -> None:
     feed-forward size) is refused here, not written as a model that cannot load."""
     from mlx_lm.utils import load_model
 
+    from ..daemon.protocol import reason_line
+
     try:
         load_model(out, lazy=True, strict=True)
     except (ValueError, KeyError, TypeError) as e:
-        reason = " ".join(str(e).split())
-        reason = reason if len(reason) <= 200 else reason[:200] + "..."
-        raise ValueError(f"{path}: its metadata does not match its tensors ({reason})") from None
+        raise ValueError(f"{path}: its metadata does not match its tensors ({reason_line(e)})") from None
 
 
 def _cli():

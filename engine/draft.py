@@ -357,9 +357,9 @@ def load_draft(path: str | Path, dtype: mx.Dtype | None = None) -> DFlashDraft:
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        reason = " ".join(str(e).split())
-        raise ValueError(f"{path}: the draft's weights do not match its config.json "
-                         f"({reason if len(reason) <= 200 else reason[:200] + '...'})") from None
+        from ..daemon.protocol import reason_line
+
+        raise ValueError(f"{path}: the draft's weights do not match its config.json ({reason_line(e)})") from None
     if dtype is not None and not quant:
         model.set_dtype(dtype)
     model.eval()

@@ -122,13 +122,12 @@ def load_target(local: str, model: str | Path) -> tuple[Any, Any]:
     cut short, mlx-lm a KeyError or TypeError for a config missing a field."""
     from mlx_lm import load as mlx_load
 
+    from ..daemon.protocol import reason_line
+
     try:
         model_obj, tokenizer = mlx_load(local)
     except (RuntimeError, KeyError, TypeError, ValueError) as e:
-        reason = " ".join(str(e).split()) or type(e).__name__
-        if isinstance(e, KeyError):
-            reason = f"config.json lacks {e}"
-        reason = reason if len(reason) <= 200 else reason[:200] + "..."
+        reason = reason_line(f"config.json lacks {e}" if isinstance(e, KeyError) else e) or type(e).__name__
         reason = _missing_shards(Path(local)) or reason  # "Missing N parameters" says less
         raise ValueError(f"model {model} cannot be loaded: {reason}") from None
     size = getattr(tokenizer, "vocab_size", None)

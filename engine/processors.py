@@ -27,17 +27,12 @@ from typing import Any, Mapping, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..daemon.protocol import finite_number, shown
+# the float32-safe ranges, one definition for the engine and the worker's submit check: a bias
+# or penalty past 1e30 (times a count) is inf in float32, a repetition penalty of 1e-40 is 0 (a
+# logit divided by it is inf, and the draw garbage)
+from ..daemon.protocol import BIAS_MAX, MAX_TOKEN_ID_DIGITS, PENALTY_MAX, REPETITION_MIN, finite_number, shown
 
 CONTEXT_SIZE = 20  # mlx-lm's default window for each penalty
-
-
-BIAS_MAX = 1e30  # a logit bias's magnitude: finite in float32 with any logit added to it
-# the penalties' float32-safe ranges: a repetition penalty of 1e-40 is 0 in float32 (a logit
-# divided by it is inf, and the draw garbage); a presence or frequency penalty past 1e30 (times
-# a count) likewise
-PENALTY_MAX = 1e30
-REPETITION_MIN = 1e-30
 
 
 def bias_items(logit_bias: Mapping[Any, Any] | None) -> dict[int, float]:
@@ -49,7 +44,7 @@ def bias_items(logit_bias: Mapping[Any, Any] | None) -> dict[int, float]:
         raise ValueError(f"logit_bias must map token ids to numbers, got {type(logit_bias).__name__}")
     out: dict[int, float] = {}
     for k, v in logit_bias.items():
-        if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 20:  # 2^64 - 1 has 20 digits
+        if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= MAX_TOKEN_ID_DIGITS:
             tid = int(k)
         elif isinstance(k, int) and not isinstance(k, bool):
             tid = k

@@ -16,6 +16,7 @@ import pytest
 from daemon_fixtures import make_daemon, raw_request, tiny_pair  # noqa: F401
 from test_gateway import KEY, MSGS, Gateway, _error, daemon, pair  # noqa: F401
 from test_gateway_s43 import stop_whole_daemon
+from test_input_hardening import gw  # noqa: F401  (a gateway with the default body cap)
 
 from dflash.daemon import protocol as P
 from dflash.daemon import supervisor
@@ -27,15 +28,6 @@ BIG = 10**400  # past a float's range
 HUGE = 10**300  # a float, but 300 digits to echo
 LONG = "x" * 100_000
 SHORT_MESSAGE = 300  # characters: any of these messages fits, a value echoed whole does not
-
-
-@pytest.fixture(scope="module")
-def gw(daemon):  # noqa: F811
-    g = Gateway(daemon, "--api-key", KEY)
-    try:
-        yield g
-    finally:
-        g.stop()
 
 
 def _refused(gw, path: str, extra: dict, status: int = 400, limit: int = SHORT_MESSAGE) -> dict:
