@@ -1,0 +1,12 @@
+# Session 44, one device call: HEAD's code (staged as head.tar, so a call never sees the working
+# tree's unfinished edits) runs the campaign's phases (session40/devq/loop.sh: scripts/
+# h200_session.sh back to back within the call) with this folder's env and final.sh as .devq/.
+#   N=<the last chunk> bash benchmark/training/campaign/session44/devq/run.sh
+set -u
+source .device/$N/activate.sh > /dev/null || exit 1
+H=/tmp/head
+mkdir -p $H && [ -f $H/pyproject.toml ] || tar xf /tmp/stage/files/head.tar -C $H
+mkdir -p $H/.device/$N $H/.devq && cp .device/$N/activate.sh $H/.device/$N/
+D=benchmark/training/campaign
+cp $H/$D/session44/devq/env $H/$D/session44/devq/final.sh $H/$D/session26/devq/common.sh $H/.devq/
+cd $H && OUT=$OUT bash $D/session40/devq/loop.sh
