@@ -211,6 +211,11 @@ def reply_error(e: P.ProtocolError, endpoint: str) -> E.DFlashError:
 def client_config(endpoint: str | None, config: DaemonConfig | str | None) -> tuple[str, DaemonConfig]:
     if endpoint is not None and not isinstance(endpoint, str):
         raise TypeError(f"endpoint must be a str such as 'ipc:///path/worker.sock', got {type(endpoint).__name__}")
+    if endpoint is not None and not endpoint.strip():
+        # refused like the CLI's `--endpoint ""`: an empty string (an unset variable passed on)
+        # silently meant the default endpoint, so a client could talk to another daemon
+        raise ValueError(f"endpoint {endpoint!r} is empty: an endpoint is ipc://PATH or tcp://HOST:PORT "
+                         "(None: DFLASH_ENDPOINT, else the config's)")
     cfg = config if isinstance(config, DaemonConfig) else load_config(config)
     return endpoint or os.environ.get("DFLASH_ENDPOINT") or cfg.resolved_endpoint(), cfg
 

@@ -135,6 +135,21 @@ def test_client_settings_are_checked_when_the_client_is_made(make):
         make(5)
 
 
+@pytest.mark.parametrize("make", [DFlashClient, AsyncDFlashClient])
+def test_an_empty_endpoint_is_refused_not_taken_for_the_default(make, monkeypatch):
+    """`DFlashClient(endpoint="")` (an unset variable passed on) went to DFLASH_ENDPOINT or the
+    config's endpoint, another daemon than the caller meant; the CLI refuses `--endpoint ""` too."""
+    monkeypatch.setenv("DFLASH_ENDPOINT", "ipc:///tmp/elsewhere.sock")
+    for empty in ("", "  "):
+        with pytest.raises(ValueError, match="empty"):
+            make(empty)
+    c = make(None)  # None still means the environment's, then the config's
+    try:
+        assert c.endpoint == "ipc:///tmp/elsewhere.sock"
+    finally:
+        c.close()
+
+
 def test_a_bad_timeout_for_one_call_is_refused(client):
     for bad in (0, -5, math.nan):
         with pytest.raises(ValueError, match="timeout"):
