@@ -8,5 +8,6 @@ H=/tmp/head
 mkdir -p $H && [ -f $H/pyproject.toml ] || tar xf /tmp/stage/files/head.tar -C $H
 mkdir -p $H/.device/$N $H/.devq && cp .device/$N/activate.sh $H/.device/$N/
 D=benchmark/training/campaign
-cp $H/$D/session44/devq/env $H/$D/session44/devq/final.sh $H/$D/session26/devq/common.sh $H/.devq/
+# env and final.sh from the carried tree (settings, changeable without staging again); the code from HEAD
+cp $D/session44/devq/env $D/session44/devq/final.sh $H/.devq/ && cp $H/$D/session26/devq/common.sh $H/.devq/
 cd $H && OUT=$OUT bash $D/session40/devq/loop.sh
