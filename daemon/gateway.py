@@ -46,6 +46,7 @@ SHUTDOWN_GRACE_S = 1.0
 # (docs/gateway.md, "When the daemon fails"); the control client's own 2 s is the wait otherwise.
 RESTART_WAIT_S = 30.0
 RESTART_POLL_S = 0.1  # how often supervisor.json is read meanwhile
+GONE_POLL_S = 0.5  # how often a generation waiting for its first event reads it (_first_event)
 MODELS_TTL_S = 5.0  # how long a model check that succeeded stands (while the daemon has not stopped)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # request key: the response whose headers went out (set by on_response_prepare)
@@ -339,7 +340,7 @@ class Gateway:
         events = self.client.stream(req.prompt, **kw)
         async with contextlib.aclosing(events):  # leaving early (disconnect, error) cancels the job
             try:
-                first = await anext(events)  # daemon errors up to here still get a proper status
+                first = await self._first_event(events)  # daemon errors up to here still get a proper status
                 ctx = (kind, rid, int(time.time()), model)
                 if req.stream:
                     return await self._sse(request, req, ctx, first, events, headers, job_id)
@@ -350,6 +351,27 @@ class Gateway:
                 raise api_error_from(e, req) from None
             self.metrics.job(ev.stats, ev.finish_reason)
             return web.json_response(S.response(*ctx, ev.text, ev.finish_reason, ev.stats, job_id), headers=headers)
+
+    async def _first_event(self, events: Any) -> Any:
+        """A job's first event, watched: when the supervisor this gateway saw serving the daemon
+        says it has stopped (it stopped after the model check, whose own read of supervisor.json
+        misses that moment), the wait ends at once in a 503, not after the generation client's
+        30 s of re-sending the submit to nobody. Once the worker has the job its heartbeats
+        tell whether it still runs (the client's worker_gone)."""
+        nxt = asyncio.ensure_future(anext(events))
+        try:
+            while True:
+                done, _ = await asyncio.wait({nxt}, timeout=GONE_POLL_S)
+                if done:
+                    return nxt.result()
+                if self._stopped_since():
+                    raise E.WorkerUnavailableError("unavailable", f"the dflash daemon at {self.endpoint} stopped "
+                                                   "before it took the request (is `dflashd start` running?)")
+        finally:
+            if not nxt.done():
+                nxt.cancel()
+                with contextlib.suppress(asyncio.CancelledError, E.DFlashError):
+                    await nxt
 
     def _sampling(self, req: S.GenRequest) -> tuple[dict[str, Any], list[str]]:
         """The sampling to submit (request, else this gateway's defaults; what neither sets is

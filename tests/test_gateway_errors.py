@@ -50,14 +50,17 @@ class _FakeClient:
 class _Server:
     """The gateway's app served in a thread's event loop."""
 
-    def __init__(self, max_body_bytes: int = 2048):
-        self.gw = Gateway("ipc:///nonexistent/dflash-test", DaemonConfig(), max_body_bytes=max_body_bytes)
+    def __init__(self, max_body_bytes: int = 2048, gw: Gateway | None = None):
+        """`gw`: a gateway of one's own (on a real daemon); by default one with a stand-in client."""
+        if gw is None:
+            gw = Gateway("ipc:///nonexistent/dflash-test", DaemonConfig(), max_body_bytes=max_body_bytes)
 
-        async def rows():
-            return [{"model": "/models/tiny"}]
+            async def rows():
+                return [{"model": "/models/tiny"}]
 
-        self.gw._model_rows = rows
-        self.gw.client = _FakeClient()
+            gw._model_rows = rows
+            gw.client = _FakeClient()
+        self.gw = gw
         self.loop = asyncio.new_event_loop()
         started = threading.Event()
         self.thread = threading.Thread(target=self._serve, args=(started,), daemon=True)
