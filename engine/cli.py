@@ -304,11 +304,12 @@ def _decode(pair: Any, ids: list[int], max_tokens: int, echo: bool, cancel: Call
 def make_tiny(out_dir: str, arch: str, draft_layers: int, force: bool) -> None:
     """Write a tiny random-weight target (OUT_DIR) and draft (OUT_DIR/draft) for trying things."""
     from .convert import staging
+    from .launch import stops_once
     from .tiny import build_draft, build_target
 
     out = _tiny_out(out_dir, force)
-    try:
-        with staging(out) as tmp:  # built beside OUT_DIR, renamed into place: nothing half-written
+    try:  # SIGTERM as Ctrl-C: killed outright, it left the hidden staging folder behind
+        with stops_once(), staging(out) as tmp:  # built beside OUT_DIR, renamed into place
             build_target(tmp, arch)
             build_draft(tmp / "draft", tmp, num_layers=draft_layers)
     except KeyboardInterrupt:
@@ -323,7 +324,10 @@ def make_tiny(out_dir: str, arch: str, draft_layers: int, force: bool) -> None:
 
 def _tiny_out(out_dir: str, force: bool) -> Path:
     """OUT_DIR absolute, refused when it is a file or (without --force) a folder with files: a
-    tiny model written over a real one would destroy it."""
+    tiny model written over a real one would destroy it. An empty OUT_DIR (an unset variable)
+    would be the current directory."""
+    if not out_dir.strip():
+        raise click.BadParameter("must name the folder to write, not be empty", param_hint="OUT_DIR")
     out = Path(out_dir).absolute()
     if out.exists() and not out.is_dir():
         raise click.ClickException(f"{out_dir} exists and is not a folder")

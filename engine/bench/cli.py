@@ -27,6 +27,13 @@ def _contexts(_ctx: Any, _param: Any, value: str) -> list[int]:
     return vals
 
 
+def _out(_ctx: Any, _param: Any, value: str) -> str:
+    """An empty --out (an unset variable) would write into the current directory: refused."""
+    if not value.strip():
+        raise click.BadParameter("must name the results folder, not be empty")
+    return value
+
+
 def finite_option(_ctx: Any, _param: Any, value: float | None) -> float | None:
     """nan passes click's float ranges (every comparison with it is false), inf sleeps forever:
     refused as the option's value."""
@@ -89,7 +96,7 @@ def _temperatures(_ctx: Any, _param: Any, value: str) -> list[float]:
               callback=finite_option, help="Seconds to sleep between runs.")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
               help="Cast target and draft (default: as stored; random target: bf16 GPU, fp32 CPU).")
-@click.option("--out", default=DEFAULT_OUT, show_default=True,
+@click.option("--out", default=DEFAULT_OUT, show_default=True, callback=_out,
               help="Output folder for the JSON and the plot, made if missing (relative paths: "
                    "under the current directory).")
 @click.option("--prompt-file", default=None, type=click.Path(exists=True, dir_okay=False),

@@ -164,8 +164,13 @@ def _finish(fig: Any, plt: Any, ax2: Any, ax3: Any, legend_at: str, result: dict
                  f"{result['hardware'].get('gpu') or result['hardware']['mx_default_device']}",
                  fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as e:  # disk full: the JSON beside it is written; no empty PNG, no traceback
+        path.unlink(missing_ok=True)
+        return f"not drawn: {path} cannot be written ({e.strerror or e})"
+    finally:
+        plt.close(fig)
     return str(path)
 
 

@@ -154,7 +154,8 @@ def _mode_line(cfg: BenchConfig, setup: Setup) -> str:
 
 def _write(result: dict, cfg: BenchConfig, name: str) -> Path:
     """<out>/<label or model name>-<mode>-<host>-<time>.json; a name already taken (two runs in
-    one second) gets -2, -3, ...: a result never overwrites another."""
+    one second) gets -2, -3, ...: a result never overwrites another. A failed write (disk full,
+    the folder gone read-only) is a ValueError, the command's one line, and leaves no file."""
     out = out_dir(cfg.out)
     stem = "-".join([cfg.label or name, cfg.mode, socket.gethostname(),
                      datetime.now().strftime("%Y%m%d-%H%M%S")])
@@ -162,5 +163,11 @@ def _write(result: dict, cfg: BenchConfig, name: str) -> Path:
     path, n = out / f"{stem}.json", 2
     while path.exists():
         path, n = out / f"{stem}-{n}.json", n + 1
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    tmp = path.with_name(f".{path.name}.partial")  # whole or nothing: a full disk left a torn JSON
+    try:
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        tmp.replace(path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ValueError(f"the result could not be written to {out}: {e.strerror or e}") from None
     return path

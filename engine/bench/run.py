@@ -56,12 +56,16 @@ def check_config(cfg: BenchConfig) -> None:
 
 
 def check_setup(cfg: BenchConfig, setup: Setup) -> None:
-    """What the loaded pair decides, checked before the first run: a draft to run, a window
+    """What the loaded pair decides, checked before the first run: a draft to run, one made for
+    this target (else refused only when its first run starts, after the baseline's), a window
     its block and the target's caches can take."""
+    from ..drafters import check_fit
     from ..window import fixed_window
 
     if not cfg.oracle and setup.draft_model is None:
         raise ValueError("DFlash mode needs a draft (give --draft, or --draft-layers > 0)")
+    if setup.draft_model is not None:
+        check_fit(setup.draft_model, setup.target)
     fixed_window(_window(cfg), setup.block_size,
                  rollback.plain_step_undoable(setup.target.make_cache()))
 
@@ -119,14 +123,15 @@ def _run_benchmark(cfg: BenchConfig, log: Log, text: str | None) -> tuple[dict, 
 
 
 def publish(result: dict, cfg: BenchConfig, name: str, log: Log, stopped: str | None = None) -> Path:
-    """Write the result, print its table and path, and draw its plot unless the runs were
-    stopped (`stopped`: the line that says so); the one ending of every benchmark, in one
-    process or merged from several (apart.py)."""
+    """Print the result's table, write it and print its path, and draw its plot unless the runs
+    were stopped (`stopped`: the line that says so); the one ending of every benchmark, in one
+    process or merged from several (apart.py). The table comes first: a result that cannot be
+    written is still on the screen."""
     from .plot import format_table, plot
 
-    path = _write(result, cfg, name)
     if result["summary"]:
         log(format_table(result))
+    path = _write(result, cfg, name)
     if stopped:
         log(stopped)
     log(f"== results: {path}")
