@@ -6,22 +6,52 @@ import json
 from typing import Any, Sequence
 
 
+_NOT_JSON = object()
+
+
+def _json_value(line: str) -> Any:
+    """The JSON value a whole line is; _NOT_JSON when it is text."""
+    try:
+        return json.loads(line)
+    except ValueError:
+        return _NOT_JSON
+
+
+def _json_kind(value: Any) -> str:
+    """A JSON value's kind in words, as a refusal names it."""
+    if isinstance(value, bool) or value is None:
+        return f"JSON {json.dumps(value)}"
+    return {list: "a JSON array", str: "a JSON string"}.get(type(value), "a JSON number")
+
+
 def prompt_lines(text: str) -> list[tuple[str, str]]:
     """(kind, prompt) per non-blank line of a prompt file: JSONL ({"prompt": ..., "kind": ...},
-    the held-out sets' format) or one plain prompt per line (kind "file")."""
+    the held-out sets' format) or one plain prompt per line (kind "file"), the two mixed.
+
+    A line that is JSON but no prompt object is refused with its number rather than asked as
+    text: a JSON array anywhere (e.g. a list of chat messages), and in a file with JSON object
+    lines any other JSON value (a number, a string, true/false/null). A file without an object
+    line is plain text, every line a prompt as written."""
+    lines = [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    jsonl = any(line.startswith("{") for _, line in lines)
     out = []
-    for n, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line:
-            continue
+    for n, line in lines:
         if line.startswith("{"):
             try:
                 d = json.loads(line)
-                out.append((str(d.get("kind", "file")), str(d["prompt"])))
-            except (ValueError, KeyError, AttributeError) as e:
+                prompt = d["prompt"]
+            except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"prompt file line {n}: a JSON line needs a \"prompt\" ({e})") from e
-        else:
-            out.append(("file", line))
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise ValueError(f"prompt file line {n}: \"prompt\" must be a non-empty string, "
+                                 f"got {json.dumps(prompt)[:40]}")
+            out.append((str(d.get("kind", "file")), prompt))
+            continue
+        value = _json_value(line)
+        if isinstance(value, list) or (jsonl and value is not _NOT_JSON):
+            raise ValueError(f"prompt file line {n}: {_json_kind(value)}, not a prompt "
+                             "(a JSON line is an object with a \"prompt\")")
+        out.append(("file", line))
     return out
 
 

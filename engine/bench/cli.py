@@ -2,14 +2,14 @@
 
 Why a module of its own: the click command that `dflash benchmark` (engine/cli.py) and
 `python -m dflash.engine.bench` run; `finite_option` and `window_option` also check
-`dflash generate`'s options.
+`dflash generate`'s options, `nonempty_option` `dflash eval-draft`'s --out.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import click
 
@@ -27,11 +27,16 @@ def _contexts(_ctx: Any, _param: Any, value: str) -> list[int]:
     return vals
 
 
-def _out(_ctx: Any, _param: Any, value: str) -> str:
-    """An empty --out (an unset variable) would write into the current directory: refused."""
-    if not value.strip():
-        raise click.BadParameter("must name the results folder, not be empty")
-    return value
+def nonempty_option(what: str) -> Callable[[Any, Any, str | None], str | None]:
+    """A callback refusing an empty path option (an unset variable: `--out "$DIR"`), which
+    would mean the current directory or nothing at all; `what` the option must name."""
+
+    def check(_ctx: Any, _param: Any, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise click.BadParameter(f"must name {what}, not be empty")
+        return value
+
+    return check
 
 
 def finite_option(_ctx: Any, _param: Any, value: float | None) -> float | None:
@@ -96,7 +101,7 @@ def _temperatures(_ctx: Any, _param: Any, value: str) -> list[float]:
               callback=finite_option, help="Seconds to sleep between runs.")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
               help="Cast target and draft (default: as stored; random target: bf16 GPU, fp32 CPU).")
-@click.option("--out", default=DEFAULT_OUT, show_default=True, callback=_out,
+@click.option("--out", default=DEFAULT_OUT, show_default=True, callback=nonempty_option("the results folder"),
               help="Output folder for the JSON and the plot, made if missing (relative paths: "
                    "under the current directory).")
 @click.option("--prompt-file", default=None, type=click.Path(exists=True, dir_okay=False),

@@ -229,16 +229,19 @@ def check_report_path(out: str | None) -> None:
 def _eval_cli():
     import click
 
+    from ..bench.cli import nonempty_option
+
     @click.command("eval-draft")
     @click.option("--target", required=True, help="Target model directory (mlx-lm format).")
     @click.option("--draft", required=True, help="Draft directory (published format or a training checkpoint).")
     @click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(1))
     @click.option("--prompts", "n_prompts", default=None, type=click.IntRange(1), help="First N held-out prompts (default all).")
-    @click.option("--heldout-file", default=None, help="Default: the committed engine/training/heldout_prompts.jsonl.")
+    @click.option("--heldout-file", default=None, type=click.Path(exists=True, dir_okay=False),  # before any load
+                  help="Default: the committed engine/training/heldout_prompts.jsonl.")
     @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default=None, help="Default: bf16 on GPU, fp32 on CPU.")
     @click.option("--window", type=click.IntRange(2), default=None, help="Verify this many tokens a cycle instead of the whole block (blocks cut to it where the draft allows: DFLASH_SHORT_BLOCK).")
     @click.option("--rows", default=1, show_default=True, type=click.IntRange(1, 8), help="Draft rows a verify (engine/branches.py): 1 measures the draft itself; a CUDA GPU's engine verifies 8 in bf16 (DFLASH_BRANCHES), which gives more tokens a cycle from the same draft.")
-    @click.option("--out", default=None, help="Write the report (JSON) here.")
+    @click.option("--out", default=None, callback=nonempty_option("the report file"), help="Write the report (JSON) here.")
     def eval_draft_command(target, draft, max_tokens, n_prompts, heldout_file, dtype, window, rows, out):
         """Held-out acceptance, tau and acceptance curve of the --draft on the --target (greedy;
         every cycle verifies the whole block, or --window tokens). Ctrl-C or SIGTERM stops it
@@ -275,16 +278,19 @@ def _eval_cli():
         check_report_path(out)  # before minutes of evaluation, not after
         if out and Path(out).exists():  # said before the evaluation, while Ctrl-C still keeps it
             click.echo(f"[eval] {out} exists: this evaluation's report will replace it", err=True)
-        try:
-            model, tokenizer = load_target(resolve_model(target), target)
-            dt = dtype or ("bfloat16" if mx.default_device() == mx.gpu else "float32")
-            model.set_dtype(getattr(mx, dt))
-            d = read_draft(draft, draft_dtype(model, None))
+        try:  # a bad prompt line or an empty file: said before the model loads
             pairs = td.load_heldout(heldout_file)[:n_prompts]
         except (ValueError, FileNotFoundError) as e:
             raise click.ClickException(str(e)) from e
         if not pairs:
             raise click.ClickException(f"no prompts in {heldout_file or td.HELDOUT_FILE}")
+        try:
+            model, tokenizer = load_target(resolve_model(target), target)
+            dt = dtype or ("bfloat16" if mx.default_device() == mx.gpu else "float32")
+            model.set_dtype(getattr(mx, dt))
+            d = read_draft(draft, draft_dtype(model, None))
+        except (ValueError, FileNotFoundError) as e:
+            raise click.ClickException(str(e)) from e
         samples = [td.Sample(k, p, td.chat_ids(tokenizer, p), [], "heldout") for k, p in pairs]
         log = lambda s: click.echo(s, err=True)  # noqa: E731
         try:

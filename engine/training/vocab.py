@@ -3,6 +3,7 @@ draft_vocab.json (engine/draftvocab.py says why a draft proposes only its freque
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
@@ -25,6 +26,29 @@ def rank_cache(data_dir: str | Path, kind: str = "all") -> tuple[list[int], int,
     return (*rank_samples(samples), len(samples))
 
 
+def check_draft(draft: str | Path) -> None:
+    """Refuse a folder that is not a DFlash draft, by the draft loader's own reading of its
+    config.json (DraftConfig.from_dict): a target model's folder has a config.json too, and a
+    draft_vocab.json written into it would be read by nothing."""
+    from ..draft import DraftConfig
+
+    cfg_file = Path(draft) / "config.json"
+    if not cfg_file.is_file():
+        raise click.ClickException(f"no draft in {draft} (no config.json)")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except OSError as e:
+        raise click.ClickException(f"cannot read {cfg_file}: {e.strerror or e}") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise click.ClickException(f"{cfg_file} is not readable JSON ({e})") from None
+    try:  # the messages load_draft gives
+        DraftConfig.from_dict(raw)
+    except KeyError as e:
+        raise click.ClickException(f"{draft}: draft config.json lacks {e}") from None
+    except (ValueError, TypeError) as e:
+        raise click.ClickException(f"{draft}: {e}") from None
+
+
 @click.command("draft-vocab")
 @click.option("--data", "data_dir", required=True, help="A training data cache (responses*.jsonl, as train-draft writes it).")
 @click.option("--draft", required=True, help="The draft directory to write draft_vocab.json into.")
@@ -32,13 +56,20 @@ def rank_cache(data_dir: str | Path, kind: str = "all") -> tuple[list[int], int,
 @click.option("--responses", default="all", show_default=True, type=click.Choice(["all", "greedy", "sampled"]), help="Which cached answers are counted.")
 def draft_vocab_command(data_dir, draft, size, responses):
     """Rank the target's answer tokens by frequency into DRAFT/draft_vocab.json."""
-    if not (Path(draft) / "config.json").is_file():
-        raise click.ClickException(f"no draft in {draft} (no config.json)")
-    had = (Path(draft) / draftvocab.FILE).is_file()
+    check_draft(draft)  # before the cache is read, not after
+    path = Path(draft) / draftvocab.FILE
+    had = path.is_file()
     try:
         ranked, total, n = rank_cache(data_dir, responses)
-        path = draftvocab.write(draft, ranked, size, f"{n} {responses} responses of {data_dir}", total)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
+    except OSError as e:  # an unreadable cache file: one line naming it
+        raise click.ClickException(f"cannot read {e.filename or data_dir}: {e.strerror or e}") from None
+    try:
+        draftvocab.write(draft, ranked, size, f"{n} {responses} responses of {data_dir}", total)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    except OSError as e:  # a read-only draft folder, a full disk: write leaves no draft_vocab.tmp
+        raise click.ClickException(f"cannot write {path}: {e.strerror or e}") from None
     click.echo(f"{path}{' (replaced the earlier one)' if had else ''}: {len(ranked)} distinct tokens "
                f"ranked from {total} answer tokens of {n} responses; default size {size or 'all'}")
