@@ -27,9 +27,13 @@ def _env() -> dict[str, str]:
 
 
 def _bench(cwd: Path, *args: str, limit_kib: int | None = None) -> subprocess.CompletedProcess:
-    """`dflash benchmark ARGS` in `cwd`; `limit_kib`: files it writes are cut at that size, as on a
-    full disk (RLIMIT_FSIZE; Python ignores SIGXFSZ, so the write fails with EFBIG)."""
-    cmd = [sys.executable, "-m", "dflash.engine.cli", "benchmark", *args]
+    return _dflash(cwd, "benchmark", *args, limit_kib=limit_kib)
+
+
+def _dflash(cwd: Path, *args: str, limit_kib: int | None = None) -> subprocess.CompletedProcess:
+    """`dflash ARGS` in `cwd`; `limit_kib`: files it writes are cut at that size, as on a full
+    disk (RLIMIT_FSIZE; Python ignores SIGXFSZ, so the write fails with EFBIG)."""
+    cmd = [sys.executable, "-m", "dflash.engine.cli", *args]
     if limit_kib is not None:
         cmd = ["bash", "-c", f"ulimit -f {limit_kib}; exec \"$@\"", "bash", *cmd]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120, env=_env())

@@ -7,41 +7,22 @@ leaves no file behind. Real processes on tiny random-weight models."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from dflash.engine import tiny
 from dflash.engine.prompting import prompt_lines
-
-
-def _env() -> dict[str, str]:
-    """This environment without a user's dflash settings; no BLAS re-exec (quicker, same paths)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
-    return {**env, "XDG_CONFIG_HOME": tempfile.gettempdir() + "/dflash-s44-no-config", "DFLASH_BLAS": "none"}
-
-
-def _dflash(cwd: Path, *args: str, limit_kib: int | None = None) -> subprocess.CompletedProcess:
-    """`dflash ARGS` in `cwd`; `limit_kib`: files it writes are cut at that size, as on a full
-    disk (RLIMIT_FSIZE; Python ignores SIGXFSZ, so the write fails with EFBIG)."""
-    cmd = [sys.executable, "-m", "dflash.engine.cli", *args]
-    if limit_kib is not None:
-        cmd = ["bash", "-c", f"ulimit -f {limit_kib}; exec \"$@\"", "bash", *cmd]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120, env=_env())
+from test_cli_s44_bench import _dflash
+from test_cli_s44_bench import _one_error as one_error
 
 
 def _one_error(out: subprocess.CompletedProcess, code: int = 1) -> str:
-    assert out.returncode == code, (out.returncode, out.stdout[-1500:], out.stderr[-3000:])
-    assert "Traceback" not in out.stderr, out.stderr
-    errors = [line for line in out.stderr.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1, out.stderr
-    assert "[Errno" not in errors[0], errors[0]
-    return errors[0]
+    line = one_error(out, code)
+    assert "[Errno" not in line, line
+    return line
 
 
 @pytest.fixture(scope="module")
