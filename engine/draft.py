@@ -317,10 +317,15 @@ def join_rows(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     return out
 
 
-def load_draft(path: str | Path, dtype: mx.Dtype | None = None) -> DFlashDraft:
-    """Load a draft directory in the published DFlash format, or a training checkpoint (its
-    parts, tensors split by rows included)."""
-    path = Path(path)
+def read_config(path: str | Path) -> DraftConfig:
+    """A draft directory's config.json, read and checked: all that `dflash draft-vocab` needs to
+    tell a draft from a target's folder. FileNotFoundError without one; ValueError naming what
+    is wrong."""
+    return _read_config(Path(path))[0]
+
+
+def _read_config(path: Path) -> tuple[DraftConfig, dict[str, Any]]:
+    """read_config's answer and the raw JSON it came from (load_draft also reads quantization)."""
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"no config.json in draft directory {path}")
@@ -329,11 +334,18 @@ def load_draft(path: str | Path, dtype: mx.Dtype | None = None) -> DFlashDraft:
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise ValueError(f"{cfg_file} is not readable JSON ({e})") from None
     try:
-        cfg = DraftConfig.from_dict(raw)
+        return DraftConfig.from_dict(raw), raw
     except KeyError as e:
         raise ValueError(f"{path}: draft config.json lacks {e}") from None
     except (ValueError, TypeError) as e:
         raise ValueError(f"{path}: {e}") from None
+
+
+def load_draft(path: str | Path, dtype: mx.Dtype | None = None) -> DFlashDraft:
+    """Load a draft directory in the published DFlash format, or a training checkpoint (its
+    parts, tensors split by rows included)."""
+    path = Path(path)
+    cfg, raw = _read_config(path)
     model = DFlashDraft(cfg)
     files = sorted(glob.glob(str(path / "*.safetensors")))
     if not files:
