@@ -31,7 +31,7 @@ from dflash.daemon.config import tomllib  # tomli on Python 3.10
 from dflash.daemon.cli import ShownFloat, ShownFloatRange, ShownInt, ShownIntRange
 
 from . import errors as E
-from .client import DFlashClient, Result
+from .client import MAX_WAIT_S, DFlashClient, Result
 
 EXIT = {E.BusyError: 4, E.BadRequestError: 2, E.WorkerUnavailableError: 3, E.WorkerGoneError: 3, E.NotFoundError: 5}
 
@@ -249,8 +249,9 @@ def _endpoint(ctx, param, value: str | None) -> str | None:
 @click.option("--endpoint", envvar="DFLASH_ENDPOINT", default=None, callback=_endpoint,
               help="Worker endpoint (default: DFLASH_ENDPOINT, else from the config).")
 @click.option("--config", "config_path", default=None, help="dflashd TOML config to read the endpoint from.")
-@click.option("--timeout", default=30.0, show_default=True, type=ShownFloatRange(min=0, min_open=True),
-              callback=_finite, help="Seconds to wait for the worker to answer (> 0).")
+@click.option("--timeout", default=30.0, show_default=True,
+              type=ShownFloatRange(min=0, max=MAX_WAIT_S, min_open=True), callback=_finite,
+              help=f"Seconds to wait for the worker to answer (> 0, at most {MAX_WAIT_S:g}: one day).")
 @click.pass_context
 def main(ctx, endpoint, config_path, timeout):
     """Talk to a running dflashd."""

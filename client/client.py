@@ -230,13 +230,21 @@ def sendable(frame: bytes, cfg: DaemonConfig) -> None:
         raise E.BadRequestError(e.code, e.message) from None
 
 
+# The longest time setting a client takes (one day): ZeroMQ's poll takes whole milliseconds (1e300 s
+# overflowed it) and monotonic() + 1e300 no longer moves; a wait without a bound is result(None).
+MAX_WAIT_S = 86400.0
+
+
 def seconds(v: Any, name: str, zero_ok: bool = False) -> float:
-    """A time limit as float: a finite number > 0 (>= 0 with `zero_ok`). Checked up front: a
-    negative one made every call fail at once as "no worker answered", a str one much later."""
+    """A time limit as float: a finite number > 0 (>= 0 with `zero_ok`), at most MAX_WAIT_S.
+    Checked up front: a negative one made every call fail at once as "no worker answered", a
+    str one much later."""
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise TypeError(f"{name} must be a number of seconds, got {type(v).__name__} {v!r}")
-    if not math.isfinite(v) or v < 0 or (v == 0 and not zero_ok):
+    if not -math.inf < v < math.inf or v < 0 or (v == 0 and not zero_ok):  # isfinite(10**400) overflows
         raise ValueError(f"{name} must be a finite number of seconds {'>=' if zero_ok else '>'} 0, got {v!r}")
+    if v > MAX_WAIT_S:
+        raise ValueError(f"{name} must be at most {MAX_WAIT_S:g} seconds (one day), got {P.shown(v)}")
     return float(v)
 
 

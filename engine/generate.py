@@ -481,10 +481,22 @@ def context_tokens(target: Any) -> int:
     never short: llama3-style scaling's max_position_embeddings is already the extended one, and
     multiplying it only makes the check more lenient."""
     args = getattr(target, "args", None)
-    n = getattr(args, "max_position_embeddings", None)
+    return _declared_context(getattr(args, "max_position_embeddings", None),
+                             getattr(args, "rope_scaling", None))
+
+
+def config_context_tokens(config: dict) -> int:
+    """context_tokens from a config.json's fields (its text_config's where the top level has
+    none), so that a length past it is refused before the weights load."""
+    text = config.get("text_config")
+    if "max_position_embeddings" not in config and isinstance(text, dict):
+        config = text
+    return _declared_context(config.get("max_position_embeddings"), config.get("rope_scaling"))
+
+
+def _declared_context(n: Any, scaling: Any) -> int:
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
         return 0
-    scaling = getattr(args, "rope_scaling", None)
     factor = scaling.get("factor") if isinstance(scaling, dict) else None
     if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1:
         n = int(n * factor)

@@ -31,7 +31,8 @@ def prompt_lines(text: str) -> list[tuple[str, str]]:
     A line that is JSON but no prompt object is refused with its number rather than asked as
     text: a JSON array anywhere (e.g. a list of chat messages), and in a file with JSON object
     lines any other JSON value (a number, a string, true/false/null). A file without an object
-    line is plain text, every line a prompt as written."""
+    line is plain text, every line a prompt as written. A "kind", where given, is a non-empty
+    string like the prompt."""
     lines = [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     jsonl = any(line.startswith("{") for _, line in lines)
     out = []
@@ -45,7 +46,11 @@ def prompt_lines(text: str) -> list[tuple[str, str]]:
             if not isinstance(prompt, str) or not prompt.strip():
                 raise ValueError(f"prompt file line {n}: \"prompt\" must be a non-empty string, "
                                  f"got {json.dumps(prompt)[:40]}")
-            out.append((str(d.get("kind", "file")), prompt))
+            kind = d.get("kind", "file")
+            if not isinstance(kind, str) or not kind.strip():  # it names the report's groups
+                raise ValueError(f"prompt file line {n}: \"kind\" must be a non-empty string, "
+                                 f"got {json.dumps(kind)[:40]}")
+            out.append((kind, prompt))
             continue
         value = _json_value(line)
         if isinstance(value, list) or (jsonl and value is not _NOT_JSON):

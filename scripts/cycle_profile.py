@@ -38,7 +38,8 @@ from dflash.engine import accel, lookup, rollback, window
 from dflash.engine.bench.environment import hardware_info, versions
 from dflash.engine.bench.setup import CHAT_QUESTIONS, text_prompt_ids
 from dflash.engine.loading import load_pair
-from dflash.engine.prompting import build_prompt, prompt_lines
+from dflash.engine.prompting import build_prompt
+from dflash.engine.training.data import load_heldout
 
 TIMES: dict[str, float] = defaultdict(float)
 CALLS: dict[str, int] = defaultdict(int)
@@ -173,8 +174,7 @@ def main() -> None:
     if lengths:
         prompts = [text_prompt_ids(pair.tokenizer, n) for n in lengths]
     else:
-        here = Path(__file__).resolve().parent.parent
-        held = [q for _, q in prompt_lines((here / "engine/training/heldout_prompts.jsonl").read_text())]
+        held = [q for _, q in load_heldout()]  # a bad line is named with its file
         prompts = [build_prompt(pair.tokenizer, q) for q in CHAT_QUESTIONS + held[: a.heldout]]
     steps = []
     for ids in prompts:  # warm-up, then mlx-lm's step time on each prompt

@@ -88,7 +88,8 @@ def _temperatures(_ctx: Any, _param: Any, value: str) -> list[float]:
 @click.option("--oracle-draft-cost/--no-oracle-draft-cost", default=True, show_default=True,
               help="Oracle mode: still run the draft (if any) so its cost is timed.")
 @click.option("--contexts", default="1024,2048,4096,8192", show_default=True, callback=_contexts,
-              help="Prompt lengths in tokens, comma-separated (not used with --chat).")
+              help="Prompt lengths in tokens, comma-separated (not used with --chat); each plus "
+                   "--max-tokens within the target's context.")
 @click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(1))
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1))
 @click.option("--warmup", default=1, show_default=True, type=click.IntRange(0),

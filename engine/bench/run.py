@@ -23,7 +23,15 @@ from .rows import (
     run_context_fresh,
     run_context_same,
 )
-from .setup import BenchConfig, Setup, build_setup, chat_prompts, chat_questions, prompt_text
+from .setup import (
+    BenchConfig,
+    Setup,
+    build_setup,
+    chat_prompts,
+    chat_questions,
+    check_contexts,
+    prompt_text,
+)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -77,6 +85,7 @@ def run_benchmark(cfg: BenchConfig, log: Log = print) -> tuple[dict, Path]:
     finished rows, and every finished timed run) and raises Interrupted with its path."""
     check_config(cfg)
     text = prompt_text(cfg)
+    check_contexts(cfg)  # reads the target's config only: before any weights load
     with results_folder(cfg.out), stops_once():
         if cfg.process_per_run:
             from .apart import run_apart

@@ -250,6 +250,37 @@ def default_dtype_name() -> str:
     return "bfloat16" if mx.default_device() == mx.gpu else "float32"
 
 
+def check_contexts(cfg: BenchConfig) -> None:
+    """Refuse a prompt length plus --max-tokens past the target's declared context (its config,
+    read before the weights load): past it a run times positions the model was never trained
+    on, and --contexts 10000000 was taken and run. A config that declares no context refuses
+    nothing."""
+    from ..generate import config_context_tokens
+    from ..tiny import ARCH_CONFIGS
+
+    lengths = [("--warmup-context", cfg.warmup_context)] if cfg.warmup_context else []
+    if not cfg.chat:
+        lengths.append(("--contexts", max(cfg.contexts, default=0)))
+    if not lengths:
+        return
+    if cfg.random_target:
+        if cfg.random_target not in RANDOM_SHAPES:
+            return  # random_target names the known shapes
+        tcfg = RANDOM_SHAPES[cfg.random_target] or ARCH_CONFIGS["qwen3"]
+        name = f"--random-target {cfg.random_target}"
+    elif cfg.model:
+        tcfg = json.loads((Path(resolve_model(cfg.model)) / "config.json").read_text())
+        name = f"model {cfg.model}"
+    else:
+        return
+    limit = config_context_tokens(tcfg)
+    for option, n in lengths:
+        if limit and n + cfg.max_tokens > limit:
+            raise ValueError(f"{option} {n} + --max-tokens {cfg.max_tokens} = {n + cfg.max_tokens} "
+                             f"tokens is past {name}'s context of {limit} tokens: give shorter "
+                             f"{option} or fewer --max-tokens")
+
+
 def build_setup(cfg: BenchConfig) -> Setup:
     """Load or build the target, the draft (if any) and the tokenizer for this config."""
     from ..draft import load_draft
@@ -373,7 +404,10 @@ def prompt_text(cfg: BenchConfig) -> str | None:
     if not text.strip():
         raise ValueError(f"--prompt-file {cfg.prompt_file} is empty")
     if cfg.chat:
-        prompt_lines(text)  # a malformed JSON line is named now, not after the setup
+        try:  # a malformed JSON line is named now, not after the setup
+            prompt_lines(text)
+        except ValueError as e:  # which file, as the training readers say it
+            raise ValueError(f"--prompt-file {cfg.prompt_file}: {e}") from None
     return text
 
 
