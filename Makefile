@@ -30,6 +30,11 @@ install: $(STAMP)
 # default draft (README, "The main job"), neither its best kind nor its worst.
 DEMO_MODEL := $(MODELS)/SmolLM2-135M-Instruct
 DEMO_PROMPT ?= Write a short story about a robot who learns to paint.
+# The prompt reaches the recipe through the environment ("$$DEMO_PROMPT"), never pasted into the
+# shell line, so quotes, `$` and backticks in it arrive as typed. The := copy of its raw text
+# (override: it may come from the command line) keeps make from expanding a `$` in it on export.
+override DEMO_PROMPT := $(value DEMO_PROMPT)
+export DEMO_PROMPT
 
 $(VENV)/.fastcpu: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[fastcpu]'
@@ -40,7 +45,7 @@ $(DEMO_MODEL)/config.json: $(STAMP)
 
 demo: $(VENV)/.fastcpu $(DEMO_MODEL)/config.json
 	@$(BIN)/dflashd status >/dev/null 2>&1 || $(BIN)/dflashd start --model $(DEMO_MODEL) --dtype float32
-	$(BIN)/dflash-client prompt --stats --compare-plain --max-tokens 160 "$(DEMO_PROMPT)"
+	$(BIN)/dflash-client prompt --stats --compare-plain --max-tokens 160 "$$DEMO_PROMPT"
 	@$(BIN)/dflashd status
 	@echo "(the daemon keeps running: try $(BIN)/dflash-client prompt \"...\"; stop it with: make stop)"
 

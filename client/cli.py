@@ -63,6 +63,18 @@ def end_open_line() -> str:
     return "\n" if (out.st_dev, out.st_ino) == (err.st_dev, err.st_ino) else ""
 
 
+def interrupted_lead(open_line: bool = False) -> str:
+    """What leads the line a Ctrl-C prints on stderr: a newline on a terminal (past the `^C` it
+    echoed, and any open line of text there); otherwise only what ends an open streamed line
+    (end_open_line), so a redirected stderr never gets an empty line, as after a worker error."""
+    try:
+        if sys.stderr.isatty():
+            return "\n"
+    except (ValueError, AttributeError):
+        return ""
+    return end_open_line() if open_line else ""
+
+
 def cli_command(endpoint: str | None = None, config_path: str | None = None, timeout: float | None = None) -> str:
     """`dflash-client` with these options (None: left out), quoted for a POSIX shell."""
     args = ["dflash-client"]
@@ -177,7 +189,7 @@ class _Cli(click.Group):
                 return super().invoke(ctx)
         except KeyboardInterrupt:
             with contextlib.suppress(OSError, ValueError):
-                click.echo("\ndflash-client: interrupted", err=True)
+                click.echo(f"{interrupted_lead()}dflash-client: interrupted", err=True)
             sys.exit(130)
         except BrokenPipeError:
             output_closed("dflash-client")
@@ -290,8 +302,8 @@ def _window(ctx, param, value):
 def _stops(ctx, param, value: tuple[str, ...]) -> tuple[str, ...]:
     """An empty stop sequence never matches, so the job would run on as if none were given (a
     `--stop "$UNSET"`): refused, as `dflash generate` refuses it."""
-    if any(s == "" for s in value):
-        raise click.BadParameter("a stop sequence cannot be empty")
+    if (problem := P.stops_problem(value)) is not None:
+        raise click.BadParameter(problem)
     return value
 
 
@@ -381,7 +393,7 @@ def prompt(client: DFlashClient, text, max_tokens, system, stop, priority, raw, 
                 open_line = not delta.text.endswith("\n")
     except KeyboardInterrupt:
         stream.close()  # sends cancel
-        click.echo("\ndflash-client: cancelled", err=True)
+        click.echo(f"{interrupted_lead(open_line)}dflash-client: cancelled", err=True)
         sys.exit(130)
     except BrokenPipeError:  # `| head` has read enough: the rest is not wanted
         stream.close()  # sends cancel, now rather than whenever the stream is collected
@@ -415,7 +427,7 @@ def _plain_run(client: DFlashClient, text: str, job: dict, res: Result) -> dict:
     try:
         other = client.generate(text, cache="bypass", verify_window=1, **seeded)
     except KeyboardInterrupt:
-        click.echo("\ndflash-client: cancelled the plain run", err=True)
+        click.echo(f"{interrupted_lead()}dflash-client: cancelled the plain run", err=True)
         sys.exit(130)
     except E.DFlashError as e:
         _fail(e)
@@ -447,7 +459,7 @@ def result(client: DFlashClient, job_id, as_json, show_stats):
     try:
         res = client.job(job_id).result()
     except KeyboardInterrupt:
-        click.echo(f"\ndflash-client: stopped waiting; job {job_id} goes on (dflash-client cancel {job_id} "
+        click.echo(f"{interrupted_lead()}dflash-client: stopped waiting; job {job_id} goes on (dflash-client cancel {job_id} "
                    "stops it)", err=True)
         sys.exit(130)
     except E.DFlashError as e:

@@ -59,7 +59,7 @@ def _timed(events, t0: float) -> dict:
         tokens += len(ids)
     end = time.perf_counter()
     first = first or end
-    return {"ttft_ms": (first - t0) * 1000, "decode_tps": (tokens - 1) / max(end - first, 1e-9),
+    return {"ttft_ms": (first - t0) * 1000, "decode_tps": max(tokens - 1, 0) / max(end - first, 1e-9),
             "e2e_tps": tokens / max(end - t0, 1e-9), "tokens": tokens}
 
 

@@ -23,6 +23,7 @@ from .config import DaemonConfig
 
 LABELS = {"worker": "com.dflash.worker", "cache": "com.dflash.cache"}
 UNIT = "dflashd.service"
+CONFIG_NAME = "daemon.json"  # the resolved config install writes for the agents
 CERT_FILES = ("curve_server_secret", "curve_server_public", "curve_client_secret")
 
 
@@ -105,7 +106,12 @@ def install_agents(cfg: DaemonConfig, dest: Path | None = None, *, load: bool = 
     cfg = dataclasses.replace(_pinned(cfg), exit_on_load_failure=cfg.exit_on_load_failure or kind == "systemd")
     paths.private_dir(cfg.state_path())
     paths.private_dir(cfg.log_path())
-    config_file = cfg.state_path() / "daemon.json"
+    # --dest DIR: everything install writes goes into DIR (a staged or test install leaves the
+    # live <state>/daemon.json, which an installed unit may be running on, alone).
+    if dest is not None:  # absolute: the agents start in /, and name daemon.json by this path
+        dest = Path(_absolute(dest))
+        dest.mkdir(parents=True, exist_ok=True)
+    config_file = (dest if dest is not None else cfg.state_path()) / CONFIG_NAME
     _write_private(config_file, cfg.to_json().encode())
     lines = [f"config: {config_file}"]
     if kind == "launchd":
@@ -139,9 +145,31 @@ def _write_private(path: Path, data: bytes) -> None:
         fh.write(data)
 
 
+def _installed_config(path: Path) -> Path | None:
+    """The daemon.json an installed plist or unit runs on (install wrote it), else None: a
+    config file of any other name is the user's own and never removed."""
+    try:
+        if path.suffix == ".plist":
+            args = plistlib.loads(path.read_bytes()).get("ProgramArguments", [])
+        else:
+            line = next((ln for ln in path.read_text().splitlines() if ln.startswith("ExecStart=")), "")
+            _, flag, value = line.partition(" --config-json ")
+            args = ["--config-json", value] if flag else []
+    except (OSError, ValueError, plistlib.InvalidFileException):
+        return None
+    for flag, value in zip(args, args[1:]):
+        if flag == "--config-json" and isinstance(value, str) and value.startswith("@"):
+            config = Path(value[1:])
+            return config if config.name == CONFIG_NAME else None
+    return None
+
+
 def uninstall_agents(dest: Path | None = None, *, unload: bool = True, kind: str = "auto") -> list[str]:
+    """Remove the agents and the daemon.json install wrote for them (found in the agents
+    themselves, so a --dest install and a custom state dir are both undone)."""
     kind = ("launchd" if sys.platform == "darwin" else "systemd") if kind == "auto" else kind
     lines = []
+    configs: list[Path] = []
     if kind == "launchd":
         dest = dest or Path.home() / "Library" / "LaunchAgents"
         for label in LABELS.values():
@@ -149,6 +177,7 @@ def uninstall_agents(dest: Path | None = None, *, unload: bool = True, kind: str
             if path.exists():
                 if unload:
                     lines.append(_run(["launchctl", "bootout", f"gui/{os.getuid()}", str(path)]))
+                configs.append(_installed_config(path))
                 path.unlink()
                 lines.append(f"removed {path}")
     else:
@@ -157,6 +186,11 @@ def uninstall_agents(dest: Path | None = None, *, unload: bool = True, kind: str
         if path.exists():
             if unload:
                 lines.append(_run(["systemctl", "--user", "disable", "--now", UNIT]))
+            configs.append(_installed_config(path))
             path.unlink()
             lines.append(f"removed {path}")
+    for config in dict.fromkeys(c for c in configs if c is not None):
+        if config.exists():
+            config.unlink()
+            lines.append(f"removed {config}")
     return lines or ["nothing installed"]

@@ -48,7 +48,7 @@ _COMMON = ({"model", "stream", "stream_options", "stop", "max_tokens"} | set(SAM
            | set(_UNAPPLIED) | _IGNORED | _EXTRA)
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"}
 _COMPLETION_FIELDS = _COMMON | {"prompt"}
-MAX_STOP = 16  # the daemon's own cap
+MAX_STOP = P.MAX_STOPS  # the daemon's own cap
 MAX_DEPTH = P.MAX_NESTING  # JSON nesting the daemon accepts in a field (the body's own level is one more)
 MAX_LISTED = 8  # unknown fields an error message names
 
@@ -327,9 +327,8 @@ def _stop(v: Any) -> list[str]:
     stops = [v] if isinstance(v, str) else v if v is not None else []
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
-    stops = [s for s in stops if s]
-    if len(stops) > MAX_STOP or any(len(s) > 256 for s in stops):
-        raise bad(f"at most {MAX_STOP} stop sequences of at most 256 characters", "stop")
+    if (problem := P.stops_problem(stops)) is not None:
+        raise bad(problem, "stop")
     return stops
 
 

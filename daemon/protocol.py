@@ -229,6 +229,21 @@ def window_from_text(text: str) -> str | int:
         return text
 
 
+MAX_STOPS = 16  # stop sequences one job may have
+MAX_STOP_CHARS = 256  # characters in one stop sequence
+
+
+def stops_problem(stops: list[str] | tuple[str, ...]) -> str | None:
+    """Why `stops` are not a job's stop sequences, else None: one check for the daemon, the
+    gateway and the client, so an empty one (which never matches: a `--stop "$UNSET"`) is refused
+    everywhere rather than silently ignored somewhere."""
+    if any(s == "" for s in stops):
+        return "a stop sequence cannot be empty"
+    if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        return f"at most {MAX_STOPS} stop sequences of at most {MAX_STOP_CHARS} characters"
+    return None
+
+
 def verify_window_problem(value: Any) -> str | None:
     """Why `value` is not a verify window ("auto", "full" or an integer >= 1), else None (None:
     unset). The block size bounds a count too; only the worker knows it (daemon/compute.py)."""

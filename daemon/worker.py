@@ -364,17 +364,12 @@ class Worker:
         return {**out, **self._processors(req)}
 
     def _processors(self, req: P.Submit) -> dict[str, Any]:
-        """The job's logits processors (engine/processors.py), resolved like its sampling; only
-        those that change something, so a job without them reads as before."""
-        cfg, out = self.cfg, {}
-        value = {k: getattr(cfg, k) if getattr(req, k) is None else getattr(req, k) for k in P.PENALTY_FIELDS}
-        for kind, off in (("repetition", 1), ("presence", 0), ("frequency", 0)):
-            if value[f"{kind}_penalty"] != off:
-                out[f"{kind}_penalty"] = float(value[f"{kind}_penalty"])
-                out[f"{kind}_context_size"] = int(value[f"{kind}_context_size"])
-        if req.logit_bias:
-            out["logit_bias"] = {k: float(v) for k, v in req.logit_bias.items()}
-        return out
+        """The job's logits processors (engine/processors.py), resolved like its sampling and
+        reported as `dflash generate --json` reports them (ProcessorParams.reported)."""
+        from dflash.engine.processors import ProcessorParams  # MLX: imported once the accelerator is set
+
+        value = {k: getattr(self.cfg, k) if getattr(req, k) is None else getattr(req, k) for k in P.PENALTY_FIELDS}
+        return ProcessorParams(logit_bias=req.logit_bias or None, **value).reported()
 
     def _validate(self, req: P.Submit) -> None:
         def bad(msg: str, param: str) -> P.ProtocolError:
@@ -399,8 +394,8 @@ class Worker:
                           "token_ids")
         if not 1 <= req.max_tokens <= self.cfg.max_tokens_limit:
             raise bad(f"max_tokens must be in 1..{self.cfg.max_tokens_limit}, got {req.max_tokens}", "max_tokens")
-        if len(req.stop) > 16 or any(len(s) > 256 for s in req.stop):
-            raise bad("at most 16 stop sequences of at most 256 characters", "stop")
+        if (problem := P.stops_problem(req.stop)) is not None:
+            raise bad(problem, "stop")
         if not -1000 <= req.priority <= 1000:
             raise bad("priority must be in -1000..1000", "priority")
         if req.timeout_s is not None and not req.timeout_s > 0:

@@ -33,6 +33,7 @@ import functools
 import os
 import platform
 import sys
+import warnings
 from pathlib import Path
 
 MARK = "DFLASH_ACCEL"  # set in the re-executed worker: what was chosen (also stops a loop)
@@ -195,6 +196,61 @@ def maybe_reexec(blas: str | None = None, module: str | None = None) -> None:
 
 
 _CHOSEN: str | None = None  # maybe_reexec's choice when it did not re-execute (None: _describe())
+
+
+class SlowBLASWarning(RuntimeWarning):
+    """fp32 on the CPU through MLX's reference BLAS while MKL is installed but not loaded (a
+    library user's process, which the commands' re-exec cannot reach); filterable by category."""
+
+
+# Below this many parameters a forward is dispatch-bound, not BLAS-bound (the tests' random
+# 4-layer models), and the warning's "several times slower" would not hold.
+SLOW_BLAS_MIN_PARAMS = 10_000_000
+_WARNED = False
+
+
+def mkl_loaded(maps: str | Path = "/proc/self/maps") -> bool | None:
+    """Whether libmkl_rt is mapped into this process; None where that cannot be read (not Linux)."""
+    try:
+        with open(maps, "rb") as f:
+            return b"libmkl_rt" in f.read()
+    except OSError:
+        return None
+
+
+def fix_prefix(prefix: str | Path | None = None, env: dict | None = None) -> str | None:
+    """The `LD_PRELOAD=... MKL_THREADING_LAYER=...` command prefix the commands' re-exec would
+    use here (plan()), or None where it would not preload anything."""
+    extra = plan("auto", prefix, {k: v for k, v in (os.environ if env is None else env).items() if k != MARK})
+    if extra is None:
+        return None
+    return f"LD_PRELOAD={extra['LD_PRELOAD']} MKL_THREADING_LAYER={extra['MKL_THREADING_LAYER']}"
+
+
+def warn_slow_blas(dtype: str | None, params: int, on_cpu: bool, stacklevel: int = 3) -> bool:
+    """Warn once per process (SlowBLASWarning) when a model of `params` parameters will run fp32
+    on the CPU with MKL installed but not loaded: the commands and the daemon's worker re-exec
+    themselves with it preloaded, a library user's process cannot be, and without a word it
+    decodes several times slower (SmolLM2-135M: 3.8 against 22.8 tok/s). Nothing with
+    DFLASH_BLAS=none (or a worker's blas = none), on a GPU, outside Linux; True if it warned."""
+    global _WARNED
+    if _WARNED or not on_cpu or dtype != "float32" or params < SLOW_BLAS_MIN_PARAMS:
+        return False
+    if os.environ.get("DFLASH_BLAS", "auto") == "none" or _CHOSEN is not None:
+        return False
+    if sys.platform != "linux" or mkl_loaded() is not False:
+        return False
+    prefix = fix_prefix()
+    if prefix is None:  # no MKL in this environment (or not x86-64): nothing to point at
+        return False
+    _WARNED = True
+    warnings.warn(
+        "MKL is installed but not loaded into this process: fp32 on the CPU runs MLX's reference "
+        "BLAS, several times slower (SmolLM2-135M: ~4 against ~23 tok/s). LD_PRELOAD works only "
+        f"at exec time: run your program as `{prefix} python ...`, or call "
+        "`dflash.engine.accel.maybe_reexec()` first thing in your script (it re-executes it so); "
+        "DFLASH_BLAS=none silences this", SlowBLASWarning, stacklevel=stacklevel)
+    return True
 
 
 def _describe() -> str:

@@ -75,6 +75,19 @@ def _bias(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -
         raise click.BadParameter(str(e)) from None
 
 
+def _processor(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """A penalty or its context size checked by the engine's own rule (ProcessorParams) as the
+    option is parsed: a usage error (exit 2) before the model loads, not a failure after it."""
+    from .processors import ProcessorParams
+
+    if value is not None:
+        try:
+            ProcessorParams(**{param.name: value})
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+    return value
+
+
 def _kv_bits(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
     from .rollback import kv_bits_problem  # the one rule, imported only when the option is given
 
@@ -113,15 +126,18 @@ def _kv_bits(ctx: click.Context, param: click.Parameter, value: int | None) -> i
               help="With --min-p: the number of most likely tokens min-p always keeps (mlx-lm's min_tokens_to_keep).")
 @click.option("--logit-bias", multiple=True, callback=_bias, metavar="ID=BIAS",
               help="Add BIAS to token ID's logit (repeatable; mlx-lm's logits processors, greedy or sampled).")
-@click.option("--repetition-penalty", type=ShownFloat(), default=None, callback=finite_option,
+@click.option("--repetition-penalty", type=ShownFloat(), default=None, callback=_processor,
               help="mlx-lm's repetition penalty (> 0; 1 = off) over the last --repetition-context-size tokens.")
-@click.option("--repetition-context-size", type=ShownIntRange(min=1), default=20, show_default=True)
-@click.option("--presence-penalty", type=ShownFloat(), default=None, callback=finite_option,
+@click.option("--repetition-context-size", type=ShownIntRange(min=1), default=20, show_default=True,
+              callback=_processor)
+@click.option("--presence-penalty", type=ShownFloat(), default=None, callback=_processor,
               help="Subtracted once from each token of the last --presence-context-size (0 = off).")
-@click.option("--presence-context-size", type=ShownIntRange(min=1), default=20, show_default=True)
-@click.option("--frequency-penalty", type=ShownFloat(), default=None, callback=finite_option,
+@click.option("--presence-context-size", type=ShownIntRange(min=1), default=20, show_default=True,
+              callback=_processor)
+@click.option("--frequency-penalty", type=ShownFloat(), default=None, callback=_processor,
               help="Subtracted per occurrence in the last --frequency-context-size (0 = off).")
-@click.option("--frequency-context-size", type=ShownIntRange(min=1), default=20, show_default=True)
+@click.option("--frequency-context-size", type=ShownIntRange(min=1), default=20, show_default=True,
+              callback=_processor)
 @click.option("--seed", type=ShownIntRange(0, (1 << 64) - 1), default=None,
               help="Random seed for sampling; default: a random one, printed. The same seed repeats the same ids under a fixed --verify-window (auto follows timings).")
 @click.option("--compare-plain", is_flag=True,
@@ -136,6 +152,7 @@ def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtyp
     """
     from .generate import COMPARING, context_problem, context_tokens, format_stats, plain_comparison
     from .loading import load_pair
+    from .processors import ProcessorParams
     from .prompting import build_prompt
 
     if system is not None and raw:
@@ -146,6 +163,7 @@ def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtyp
         seed = secrets.randbits(63)
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "min_p": min_p,
                 "min_tokens_to_keep": min_tokens_to_keep}
+    reported = {**sampling, **ProcessorParams(**processors).reported()}  # as the daemon's done.stats has it
     plain, shown = None, False  # shown: the DFlash run's stats line is printed already
     try:
         prompt = _read_prompt(prompt)
@@ -176,7 +194,7 @@ def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtyp
     except BrokenPipeError:  # `| head` has read enough: decoding stopped with the failed write
         output_closed()
     try:
-        _report(final, plain, sampling, as_json, shown)
+        _report(final, plain, reported, as_json, shown)
     except BrokenPipeError:
         output_closed()
     if cancel.hit:

@@ -445,7 +445,9 @@ def stream_dflash_generate(
     stats.tokens_per_cycle = (stats.accepted_drafts + stats.cycles) / max(stats.cycles, 1)
     stats.mean_verify_window = verified_tokens / max(stats.cycles, 1)
     stats.total_s = t_end - t_start
-    stats.decode_tps = (stats.generated_tokens - 1) / max(t_end - t_first, 1e-9)
+    # the first token's time is TTFT's: the rate is over the rest, so with none of them it is 0,
+    # not (0 - 1) / t (a negative tok/s for an empty answer)
+    stats.decode_tps = max(stats.generated_tokens - 1, 0) / max(t_end - t_first, 1e-9)
     # against this run's own pipelined plain steps only: the policy's median (step_s) also holds
     # unpipelined steps after draft cycles, which cost more and would flatter the estimate
     step_s = window.plain_step_mean

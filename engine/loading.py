@@ -11,7 +11,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import draftvocab
+from . import accel, draftvocab
 from .draft import load_draft
 from .drafters import DFlashDrafter
 from .registry import hf_cache_dir, resolve_draft
@@ -162,6 +162,10 @@ def load_pair(
     model_obj, tokenizer = load_target(local, model)
     if dtype is not None:
         model_obj.set_dtype(DTYPES[dtype])
+    sizes, _ = floating_dtypes(model_obj)
+    # a library user's process is not re-executed with MKL as the commands are: say so, once
+    accel.warn_slow_blas(sizes.most_common(1)[0][0] if sizes else None, sum(sizes.values()),
+                         mx.default_device() == mx.cpu)
     draft_model = load_draft(draft_path, draft_dtype(model_obj, dtype))
     target = TargetModel(model_obj, draft_model.config.target_layer_ids)
     drafter = make_drafter(target, draft_model, draft_path, draft_quant_bits)

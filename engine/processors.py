@@ -128,6 +128,18 @@ class ProcessorParams:
     def active(self) -> bool:
         return bool(self.bias) or bool(self.penalties())
 
+    def reported(self) -> dict[str, Any]:
+        """The processors as a run's "sampling" reports them (the daemon's done.stats, `dflash
+        generate --json`): only those that change something, each penalty with its window, the
+        bias keyed by decimal strings (JSON's map keys), so a run without them reads as before."""
+        out: dict[str, Any] = {}
+        for kind, value, size in self.penalties():
+            out[f"{kind}_penalty"] = value
+            out[f"{kind}_context_size"] = size
+        if self.bias:
+            out["logit_bias"] = {str(k): float(v) for k, v in self.bias.items()}
+        return out
+
     def check_vocab(self, vocab_size: int) -> None:
         """A bias on a token past the vocabulary would index outside the logits: refused."""
         if (problem := bias_vocab_problem(self.bias, vocab_size)) is not None:

@@ -40,9 +40,12 @@ def prompt_lines(text: str) -> list[tuple[str, str]]:
         if line.startswith("{"):
             try:
                 d = json.loads(line)
-                prompt = d["prompt"]
-            except (ValueError, KeyError, TypeError) as e:
+            except ValueError as e:  # the parser's words say where the line breaks
                 raise ValueError(f"prompt file line {n}: a JSON line needs a \"prompt\" ({e})") from e
+            if not isinstance(d, dict) or "prompt" not in d:  # said plainly, not as a KeyError's repr
+                raise ValueError(f"prompt file line {n}: a JSON line needs a \"prompt\" (its keys: "
+                                 f"{', '.join(map(json.dumps, d)) or 'none'})")
+            prompt = d["prompt"]
             if not isinstance(prompt, str) or not prompt.strip():
                 raise ValueError(f"prompt file line {n}: \"prompt\" must be a non-empty string, "
                                  f"got {json.dumps(prompt)[:40]}")

@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -169,3 +171,29 @@ def raw_request(endpoint: str, msg: dict, timeout_ms: int = 10_000) -> dict:
     finally:
         sock.close(0)
         ctx.term()
+
+
+def interrupt_waiting_client(args: list[str], env: dict, stdout: Any = subprocess.PIPE,
+                             stderr: Any = subprocess.PIPE, settle: float = 0.0) -> tuple[int, bytes, bytes]:
+    """`dflash-client ARGS` against a TCP listener that never answers, Ctrl-C'd once it waits:
+    (exit code, stdout, stderr; empty where they went to files). Its accept() shows the request
+    is under way; `settle` seconds more put the command inside its wait for the answer."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        listener.settimeout(60)
+        port = listener.getsockname()[1]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dflash.client.cli", "--endpoint", f"tcp://127.0.0.1:{port}", "--timeout", "60",
+             *args], stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, cwd=ROOT, env=env,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a background run ignores it
+        try:
+            conn, _ = listener.accept()  # ZeroMQ connected: the request is under way
+            conn.close()
+            time.sleep(settle)
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    return proc.returncode, out or b"", err or b""

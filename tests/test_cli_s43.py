@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from daemon_fixtures import PROMPTS, ROOT, running, tiny_pair, wait_until  # noqa: F401
+from daemon_fixtures import PROMPTS, ROOT, interrupt_waiting_client, running, tiny_pair, wait_until  # noqa: F401
 
 from dflash.client import AsyncDFlashClient, DFlashClient
 from dflash.client.errors import BadRequestError
@@ -134,24 +133,8 @@ def test_ctrl_c_where_no_command_handles_it_exits_130(args: list[str]):
     """Ctrl-C while `status` (or any command but prompt/result) waits for a worker printed
     click's "Aborted!" and exited 1, the code of a failed job; docs/daemon.md says 130. The
     endpoint is a plain TCP listener that never answers: its accept() shows the command waits."""
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        listener.settimeout(60)
-        port = listener.getsockname()[1]
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "dflash.client.cli", "--endpoint", f"tcp://127.0.0.1:{port}", "--timeout", "60",
-             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=_env(),
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a background run ignores it
-        try:
-            conn, _ = listener.accept()  # ZeroMQ connected: the request is under way
-            conn.close()
-            proc.send_signal(signal.SIGINT)
-            out, err = proc.communicate(timeout=30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    assert proc.returncode == 130, (proc.returncode, out, err)
+    code, out, err = interrupt_waiting_client(args, _env())
+    assert code == 130, (code, out, err)
     assert b"Aborted" not in err and b"Traceback" not in err and b"interrupted" in err, err
 
 

@@ -99,7 +99,7 @@ def test_install_renders_valid_plists_that_start_a_worker(tiny_pair, dirs, tmp_p
                                        "--model", model, *flags])
     assert res.exit_code == 0, res.output
     unit = (tmp_path / "dflashd.service").read_text()
-    assert f"ExecStart={sys.executable} -m dflash.daemon.supervisor --config-json @{d / 'state' / 'daemon.json'}" in unit
+    assert f"ExecStart={sys.executable} -m dflash.daemon.supervisor --config-json @{tmp_path / 'daemon.json'}" in unit  # --dest: all of it in DIR
     assert "Restart=on-failure" in unit and "RestartPreventExitStatus=2 3" in unit and "UMask=0077" in unit
     assert not re.search(r"@[A-Z_]+@", unit) and not re.search(rb"@[A-Z_]+@", (tmp_path / "com.dflash.worker.plist").read_bytes())
     assert not re.search(rb"@[A-Z_]+@", (tmp_path / "com.dflash.cache.plist").read_bytes())
@@ -117,7 +117,7 @@ def test_install_pins_relative_paths_and_writes_private_files(tiny_pair, dirs): 
                           "--no-load", "--model", "models/tiny", "--draft", "models/tiny/draft", "--blas", "none",
                           "--runtime-dir", "run", "--state-dir", "state"], cwd=d, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    config = d / "state" / "daemon.json"
+    config = d / "units" / "daemon.json"  # --dest: install writes only into DIR
     cfg = json.loads(config.read_text())
     assert cfg["model"] == str(d / "models" / "tiny") and cfg["draft"] == str(d / "models" / "tiny" / "draft")
     assert cfg["runtime_dir"] == str(d / "run") and cfg["endpoint"] == f"ipc://{d / 'run' / 'worker.sock'}"

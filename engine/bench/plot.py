@@ -60,6 +60,9 @@ def format_table(result: dict[str, Any]) -> str:
     columns = _columns(result)
     rows = [[_cell(r, key, fmt) for _, key, fmt in columns] for r in result["summary"]]
     heads = [h for h, _, _ in columns]
+    if (result.get("config") or {}).get("chat"):  # two questions may share a prompt length
+        heads = ["question", *heads]
+        rows = [[label, *row] for label, row in zip(question_labels(result["summary"]), rows)]
     widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(heads)]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
     mode = "ORACLE (ceiling, not a real draft)" if result["mode"] == "oracle" else "dflash"
@@ -130,8 +133,8 @@ def _plot_chat(result: dict[str, Any], path: Path, plt: Any) -> str:
     question, tok/s of both engines with the speedup above, acceptance and tokens per cycle."""
     rows = result["summary"]
     n = _questions(rows)
-    labels = [f"Q{i % n + 1}" + (f"\nT={r.get('temperature', 0.0):g}" if n < len(rows) else "")
-              for i, r in enumerate(rows)]
+    labels = [q + (f"\nT={r.get('temperature', 0.0):g}" if n < len(rows) else "")
+              for q, r in zip(question_labels(rows), rows)]
     x = list(range(len(rows)))
     speedups = [r["speedup"] for r in rows]
     geo = math.exp(sum(math.log(v) for v in speedups) / len(speedups))
@@ -172,6 +175,14 @@ def _finish(fig: Any, plt: Any, ax2: Any, ax3: Any, legend_at: str, result: dict
     finally:
         plt.close(fig)
     return str(path)
+
+
+def question_labels(rows: list[dict[str, Any]]) -> list[str]:
+    """"Q1".. per --chat row: the row's `question` index (0-based) where the result holds one,
+    else its place among the rows of its temperature (results written before session 45)."""
+    n = _questions(rows)
+    return [f"Q{(r['question'] if isinstance(r.get('question'), int) else i % n) + 1}"
+            for i, r in enumerate(rows)]
 
 
 def _questions(rows: list[dict[str, Any]]) -> int:

@@ -160,9 +160,13 @@ def _run_rows(bench: Bench, fresh: bool, runs: list[dict], summary: list[dict]) 
             rows = ((run_context_fresh, ctx) for ctx in cfg.contexts)
         else:
             rows = ((run_context_same, bench.prompt(ctx)) for ctx in cfg.contexts)
-        for run_row, arg in rows:
+        for qi, (run_row, arg) in enumerate(rows):
             bench.timed = []
             ctx_runs, row = run_row(bench, arg, temp)
+            if cfg.chat:  # which question (0-based), as --process-per-run's merged rows say
+                row["question"] = qi
+                for rec in ctx_runs:
+                    rec["question"] = qi
             runs.extend(ctx_runs)
             summary.append(row)
             bench.timed = []

@@ -777,6 +777,8 @@ def _cli():
             raise click.ClickException(str(e)) from e
         except OSError as e:  # disk full, no permission, a file where a folder goes: one line
             raise click.ClickException(_os_error(e)) from e
+        if "heldout" in summary:  # the draft was saved (not interrupted, rank 0): say where, last
+            click.echo(f"[train] draft written to {summary['draft_dir']}", err=True)
         if summary.get("stop_reason") == "interrupted" or summary.get("eval_interrupted"):
             sys.exit(130)
 

@@ -335,6 +335,7 @@ def _eval_cli():
             raise
         if out:
             write(report)
+            click.echo(f"[eval] report written to {out}", err=True)
 
     return eval_draft_command
 
