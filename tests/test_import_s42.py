@@ -353,7 +353,7 @@ def test_the_long_tools_name_a_damaged_target_in_one_line(tiny_dirs, tmp_path, t
     args = {"train-draft": ["--target", str(model), "--out", str(tmp_path / "run"), "--max-steps", "1"],
             "eval-draft": ["--target", str(model), "--draft", str(tiny_dirs["qwen3"] / "draft")],
             "benchmark": ["--model", str(model), "--draft", str(tiny_dirs["qwen3"] / "draft"), "--max-tokens", "4",
-                          "--repeats", "1", "--out", str(tmp_path / "bench")]}[tool]
+                          "--contexts", "64", "--repeats", "1", "--out", str(tmp_path / "bench")]}[tool]
     out = _dflash(tmp_path, tool, *args)
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
     assert "cannot be loaded" in out.stderr and str(model) in out.stderr, out.stderr
