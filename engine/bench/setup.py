@@ -173,16 +173,27 @@ def _tiny_tokenizer() -> Any:
     return TokenizerWrapper(hf, detokenizer_class=_IdDetokenizer)
 
 
-def random_target(shape: str, dtype: mx.Dtype, seed: int = 0) -> tuple[Any, Any, dict]:
-    """A random-weight mlx-lm model of a named shape, built in memory; returns (model, tok, cfg)."""
-    from mlx_lm.utils import _get_classes
-
+def random_shape_config(shape: str, vocab_size: int | None = None) -> dict:
+    """The mlx-lm config a named random shape builds: its own, or (an empty entry) the tiny
+    qwen3's, with `vocab_size` when given (the tiny tokenizer's, for a model to run)."""
     from ..tiny import ARCH_CONFIGS
 
     if shape not in RANDOM_SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(RANDOM_SHAPES)}")
+    if RANDOM_SHAPES[shape]:
+        return dict(RANDOM_SHAPES[shape])
+    cfg = dict(ARCH_CONFIGS["qwen3"])
+    if vocab_size is not None:
+        cfg["vocab_size"] = vocab_size
+    return cfg
+
+
+def random_target(shape: str, dtype: mx.Dtype, seed: int = 0) -> tuple[Any, Any, dict]:
+    """A random-weight mlx-lm model of a named shape, built in memory; returns (model, tok, cfg)."""
+    from mlx_lm.utils import _get_classes
+
     tok = _tiny_tokenizer()
-    cfg = dict(RANDOM_SHAPES[shape]) or dict(ARCH_CONFIGS["qwen3"], vocab_size=len(tok))
+    cfg = random_shape_config(shape, vocab_size=len(tok))
     model_cls, args_cls = _get_classes(cfg)
     model = model_cls(args_cls.from_dict(cfg))
     _randomize(model, dtype, std=0.02, seed=seed)
@@ -256,7 +267,6 @@ def check_contexts(cfg: BenchConfig) -> None:
     on, and --contexts 10000000 was taken and run. A config that declares no context refuses
     nothing."""
     from ..generate import config_context_tokens
-    from ..tiny import ARCH_CONFIGS
 
     lengths = [("--warmup-context", cfg.warmup_context)] if cfg.warmup_context else []
     if not cfg.chat:
@@ -266,7 +276,7 @@ def check_contexts(cfg: BenchConfig) -> None:
     if cfg.random_target:
         if cfg.random_target not in RANDOM_SHAPES:
             return  # random_target names the known shapes
-        tcfg = RANDOM_SHAPES[cfg.random_target] or ARCH_CONFIGS["qwen3"]
+        tcfg = random_shape_config(cfg.random_target)
         name = f"--random-target {cfg.random_target}"
     elif cfg.model:
         tcfg = json.loads((Path(resolve_model(cfg.model)) / "config.json").read_text())
