@@ -11,6 +11,10 @@ from .checkpoint import load_trainer, recover
 
 # train-draft options that shape a NEW draft; a resumed draft keeps its checkpoint's shape
 ARCH_OPTIONS = ("layers", "block_size", "num_capture", "layer_ids", "mask_token_id")
+# options that choose the campaign's data and its order: trainer.json records them, and a resume
+# that does not type one keeps the campaign's (a default would quietly change the training set)
+DATA_OPTIONS = ("seed", "prompts", "num_prompts", "derive_prompts", "exclude_prompts",
+                "max_new_tokens", "sampled_responses", "response_temperature", "train_responses")
 
 
 def check_out_named(out: str) -> None:
@@ -160,3 +164,29 @@ def preflight(opts: Any, explicit_arch: dict[str, Any] | None = None) -> list[st
         notes += check_resume_again(opts.resume, bool(opts.grow_layers or opts.grow_mlp or opts.grow_taps),
                                     opts.restart_lr)
     return notes
+
+
+def campaign_data_options(resume: str, typed: set[str], given: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """The data options a resume keeps from its campaign: each of DATA_OPTIONS not in `typed`
+    whose recorded value differs from `given` (the defaults), and a line that says which.
+
+    Why: `--resume` without `--num-prompts 0 --derive-prompts N --max-new-tokens 512` would
+    train on 600 built-in prompts answered to 256 tokens, a different set in a different order.
+    An unreadable or missing trainer.json keeps nothing here (preflight names it). A checkpoint
+    older than the record keeps its seed and the answers' length (trainer.json had those)."""
+    try:
+        trainer = load_trainer(resume)
+    except ValueError:
+        return {}, None
+    if trainer is None:
+        return {}, None
+    recorded = trainer.get("data_options")
+    if not isinstance(recorded, dict):
+        recorded = {"seed": trainer.get("seed"), "max_new_tokens": (trainer.get("data") or {}).get("max_new_tokens")}
+    kept = {k: recorded[k] for k in DATA_OPTIONS
+            if k in recorded and recorded[k] is not None and k not in typed and recorded[k] != given.get(k)}
+    if not kept:
+        return {}, None
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in kept.items())
+    return kept, (f"the campaign's data options kept from {Path(resume) / 'trainer.json'}: {flags} "
+                  "(type an option to change it)")

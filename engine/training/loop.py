@@ -41,7 +41,7 @@ from ..drafters import check_fit
 from ..launch import stops_once
 from ..target import TargetModel, default_layer_ids
 from . import checkpoint as ck
-from .checks import ARCH_OPTIONS, preflight
+from .checks import ARCH_OPTIONS, DATA_OPTIONS, campaign_data_options, preflight
 from . import data as td
 from .budget import Budget
 from .grow import grow
@@ -515,6 +515,7 @@ def _train_draft(opts: TrainOptions, log: Log, explicit_arch: dict[str, Any] | N
             "train_time_s": round(prev_time + t_train, 1),
             "data": {"sequences": store.num_sequences, "tokens": store.num_tokens,
                      "max_new_tokens": opts.max_new_tokens},
+            "data_options": {k: getattr(opts, k) for k in DATA_OPTIONS},  # a resume keeps them
             "sessions": sessions + [s],
         }
 
@@ -690,12 +691,15 @@ def _cli():
         where = f"{e.filename}: " if e.filename else ""
         return f"{where}{e.strerror or e}"
 
-    def _explicit(ctx: click.Context, kw: dict) -> dict:
-        """The architecture options typed on the command line (not left at their defaults)."""
+    def _typed(ctx: click.Context, kw: dict) -> set[str]:
+        """The options typed on the command line (not left at their defaults)."""
         from click.core import ParameterSource
 
-        return {k: kw[k] for k in ARCH_OPTIONS
-                if k in kw and ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, None)}
+        return {k for k in kw if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, None)}
+
+    def _explicit(ctx: click.Context, kw: dict) -> dict:
+        """The architecture options typed on the command line."""
+        return {k: kw[k] for k in ARCH_OPTIONS if k in _typed(ctx, kw)}
 
     @click.command("train-draft")
     @click.option("--target", required=True, help="Target model directory (mlx-lm format).")
@@ -765,6 +769,11 @@ def _cli():
         import sys
 
         kw["compile"] = not kw.pop("no_compile")
+        if kw["resume"]:
+            kept, line = campaign_data_options(kw["resume"], _typed(ctx, kw), kw)
+            kw.update(kept)
+            if line:
+                click.echo(f"[train] {line}", err=True)
         data_dir = kw["data_dir"] or str(Path(kw["out"]) / "data")
         try:
             summary = train_draft(TrainOptions(**kw), log=lambda s: click.echo(s, err=True),
