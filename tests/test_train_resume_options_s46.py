@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dflash.engine.tiny import build_target
 from dflash.engine.training.loop import train_draft_command
 
 SHAPE = ["--block-size", "8", "--num-capture", "3", "--seqs-per-batch", "2", "--anchors-per-seq", "4",
@@ -20,8 +19,8 @@ CAMPAIGN = ["--num-prompts", "5", "--max-new-tokens", "12", "--seed", "3"]
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory) -> Path:
-    return build_target(tmp_path_factory.mktemp("tiny") / "target", "qwen3")
+def target(tiny_dirs) -> Path:
+    return tiny_dirs["qwen3"]  # conftest's tiny target (read only)
 
 
 @pytest.fixture(scope="module")
