@@ -621,6 +621,10 @@ class Stream:
                 self.result = Result.from_done(reply)
                 return None
             if isinstance(reply, P.Error):
+                # the job has ended here (failed), or is kept for the next start (shutting_down):
+                # nothing to cancel. A cancel sent anyway waited 2 s on a stopping worker, and
+                # one that reached a quick restart dropped the job the error said was kept.
+                self._started = False
                 raise E.from_reply(reply)
 
     def cancel(self) -> None:

@@ -68,9 +68,12 @@ class Compute:
             self._run_tasks()
             job = self.jobs.pop(timeout=TASK_POLL_S)  # a timeout, so control work waits no longer
             if job is not None:
-                self._run_job(job)
+                try:
+                    self._run_job(job)
+                except Exception as e:  # its bookkeeping failed (the job store: a full disk)
+                    self._bookkeeping_failed(job, e)
                 idle_since, released = time.monotonic(), False
-            elif self.stopping.is_set():  # queue closed and empty: shutting down
+            elif self.stopping.is_set():  # queue closed (it starts no more jobs): shutting down
                 return
             elif not released and time.monotonic() - idle_since >= IDLE_RELEASE_S:
                 released = self._release_buffers()
@@ -97,7 +100,8 @@ class Compute:
         return True
 
     def stop(self) -> None:
-        """End run() once the queue is empty; a running job is cancelled (reason "shutdown")."""
+        """End run() after the running job, which is cancelled (reason "shutdown"); queued jobs stay
+        stored for the next start."""
         self.stopping.set()
         self.jobs.close()
 
@@ -220,14 +224,25 @@ class Compute:
             job.attempts -= 1  # a clean stop is not the job's fault: run it again next start
             self.store.save(job)
             self.jobs.finish(job, "queued")
-            self._emit(job, P.Error(code=P.SHUTTING_DOWN, message="worker is shutting down; the job "
-                                    "will run again when it restarts", job_id=job.job_id))
+            self._emit(job, P.shutdown_error(job.job_id))
             return
         self.store.finish(job.job_id, P.to_map(result))
         self.jobs.finish(job, state)
         key = {"done": "jobs_done", "cancelled": "jobs_cancelled"}.get(state, "jobs_failed")
         self.counters[key] += 1
         self._emit(job, result)
+
+    def _bookkeeping_failed(self, job: Job, e: Exception) -> None:
+        """A job whose records could not be written (the job store's disk full or read-only): it
+        fails with the reason and this thread goes on. It used to die here, leaving a worker that
+        still answered and sent heartbeats but never ran a job again: every client waited forever,
+        even after the disk had room again. The job's stored record, if any, runs at the next
+        start as after a crash."""
+        log.error("job %s: could not record it in the job store: %s", job.job_id, traceback.format_exc())
+        self.jobs.finish(job, "error")
+        self.counters["jobs_failed"] += 1
+        self._emit(job, P.Error(code=P.JOB_FAILED, job_id=job.job_id, message="the job store (in the daemon's "
+                                f"state dir) could not record the job: {P.reason_line(e)}"))
 
     def _generate(self, job: Job) -> tuple[Any, str]:
         from dflash.engine.generate import Finished, stream_dflash_generate

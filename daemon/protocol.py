@@ -550,6 +550,13 @@ class Error:
     param: str = ""
 
 
+def shutdown_error(job_id: str, rid: int = 0) -> Error:
+    """The error that ends a job's stream when the worker stops before finishing it (running:
+    cancelled; queued: never started): the job is kept and runs again at the next start."""
+    return Error(rid=rid, code=SHUTTING_DOWN, message="worker is shutting down; the job will run again when it "
+                 "restarts", job_id=job_id)
+
+
 @dataclass
 class Status:
     """state: queued, running, done, error, cancelled, unknown. `result` is a Done or Error map."""

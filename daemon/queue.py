@@ -67,11 +67,14 @@ class JobQueue:
             return self._position_locked(job)
 
     def pop(self, timeout: float | None = None) -> Job | None:
-        """Next job to run (it becomes the running job); None on timeout or when closed."""
+        """Next job to run (it becomes the running job); None on timeout or when closed. A closed
+        queue starts nothing more: its queued jobs stay stored and run at the next start. (It
+        used to hand them out until empty: a stop with jobs queued ran them for nobody, past the
+        supervisor's 20 s grace, and the kill then charged a crash attempt to a job that had none.)"""
         end = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while True:
-                while self._heap:
+                while self._heap and not self._closed:
                     _, jid = heapq.heappop(self._heap)
                     job = self._jobs.get(jid)
                     if job is not None and job.state == "queued":

@@ -68,6 +68,7 @@ class Worker:
         self.ctx = zmq.Context()
         self.compute = Compute(cfg, self.jobs, self.store, self._wake)
         self.watchers: dict[str, tuple[bytes, int]] = {}  # job id -> (connection, submit rid)
+        self.router: zmq.Socket | None = None  # the bound socket, once serve() runs (socket thread only)
         self.held: dict[str, Job] = {}  # recovered streamed jobs that wait to be asked for
         self.waiting: dict[str, tuple[bytes, int]] = {}  # control work key -> (connection, rid)
         self._work_ids = itertools.count(1)
@@ -127,7 +128,7 @@ class Worker:
 
     # ------------------------------------------------------------------ main loop
     def serve(self) -> int:
-        router = self._bind()
+        router = self.router = self._bind()
         wake = self.ctx.socket(zmq.PULL)
         wake.bind(_WAKE)
         self._recover()
@@ -209,11 +210,17 @@ class Worker:
         log.info("job %s asked for again: queued", job_id)
 
     def _abandon_waiting(self, router: zmq.Socket) -> None:
-        """Answer control requests the compute thread never ran: it stopped first."""
+        """Answer what the compute thread never got to, since it stopped first: control requests,
+        and the streams of queued jobs (kept for the next start). Those streams used to hear
+        nothing: their heartbeats just stopped, and a clean stop reached them 1.5 s later as
+        worker_gone, "stopped answering" (an HTTP 503 that read like a crash)."""
         for ident, rid in self.waiting.values():
             self._send(router, ident, P.Error(rid=rid, code=P.SHUTTING_DOWN, message="the worker stopped "
                                               "before clearing the cache; nothing was cleared: retry once it is back"))
         self.waiting.clear()
+        for job_id, (ident, rid) in self.watchers.items():
+            self._send(router, ident, P.shutdown_error(job_id, rid))
+        self.watchers.clear()
 
     def _forward_events(self, router: zmq.Socket) -> None:
         while True:
@@ -322,10 +329,10 @@ class Worker:
         if self.store.known(job_id):  # a retried submit: answer for the job we already have
             self._claim(job_id)
             if self.jobs.get(job_id) is not None and req.stream:
-                self.watchers[job_id] = (ident, req.rid)
+                self._watch(job_id, ident, req.rid)
             elif req.stream and (res := self.store.result(job_id)) is not None:
                 self.compute.events.put((job_id, P.parse_reply(P.current_result(res))))
-                self.watchers[job_id] = (ident, req.rid)
+                self._watch(job_id, ident, req.rid)
             return P.Accepted(job_id=job_id, position=max(self.jobs.position(job_id), 0))
         if self.jobs.queued_count() >= self.cfg.max_queue:
             raise P.ProtocolError(P.BUSY, f"queue full ({self.cfg.max_queue} jobs waiting); try again later")
@@ -343,9 +350,21 @@ class Worker:
         job = Job(job_id, self.store.next_seq(), request, req.priority, req.stream, 0, limit)
         self.store.save(job)  # durable before the client hears "accepted"
         if req.stream:
-            self.watchers[job_id] = (ident, req.rid)
+            self._watch(job_id, ident, req.rid)
         position = self.jobs.push(job, force=True)
         return P.Accepted(job_id=job_id, position=position)
+
+    def _watch(self, job_id: str, ident: bytes, rid: int) -> None:
+        """Stream job_id's events to this connection. Another connection that streamed it (a
+        second submit of the same job id took the job over) is told so and ends: it used to hear
+        nothing more, and the end of its heartbeats read as "the worker stopped answering"."""
+        old = self.watchers.get(job_id)
+        if old is not None and old[0] != ident and self.router is not None:
+            self._send(self.router, old[0], P.Error(
+                rid=old[1], code=P.BAD_REQUEST, job_id=job_id, param="job_id",
+                message=f"job {job_id!r} was submitted again from another connection, which streams it from now on: "
+                        "this stream ends here (the job goes on; its status gives its result)"))
+        self.watchers[job_id] = (ident, rid)
 
     def _sampling(self, req: P.Submit) -> dict[str, Any]:
         """The job's sampling, resolved now (unset fields: the configured defaults) so the job is
