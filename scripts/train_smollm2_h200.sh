@@ -37,8 +37,11 @@ python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_devic
 
 # SmolLM2: 30 layers -> capture default_layer_ids(30, 5) = [1, 8, 14, 20, 27]; hidden 576 draft,
 # 9 heads / 3 KV heads like the target; mask token = <empty_output> (id 16, picked automatically).
-ARGS=(--target "$MODEL" --out "$OUT" --data-dir "${DATA:-$OUT/data}"
-  --layers 5 --block-size 16 --num-capture 5
+# a new campaign's shape; a resume keeps its checkpoint's (train-draft refuses a contradiction:
+# session 46's first call stopped on "--layers 5 contradicts ... (8)" with the grown draft)
+SHAPE=(--layers 5 --block-size 16 --num-capture 5)
+for a in "$@"; do case $a in --resume|--resume=*) SHAPE=() ;; esac; done
+ARGS=(--target "$MODEL" --out "$OUT" --data-dir "${DATA:-$OUT/data}" ${SHAPE[@]+"${SHAPE[@]}"}
   --num-prompts 4400 --derive-prompts "${DERIVE:-150000}" --max-new-tokens 512 --gen-batch-size 1024
   --max-len 640 --seqs-per-batch 16 --anchors-per-seq 64
   --total-steps "${TOTAL_STEPS:-30000}" --lr 6e-4 --warmup 0.04 --min-lr-ratio 0.05
