@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -113,11 +114,22 @@ def _check_places(cfg: DaemonConfig) -> None:
             paths.private_dir(folder)
         except OSError as e:
             raise BadConfig(f"cannot use {folder} as the {what}: {e.strerror or e}") from None
-    endpoints = [("endpoint", cfg.resolved_endpoint())]
-    if cfg.cache:
-        endpoints.append(("cache_endpoint", cfg.resolved_cache_endpoint()))
-    for what, endpoint in endpoints:
+    for what, endpoint in _endpoints(cfg):
         if (problem := ipc_problem(endpoint)) is not None:
+            raise BadConfig(f"{what} {endpoint} cannot be used: {problem}")
+
+
+def _endpoints(cfg: DaemonConfig) -> list[tuple[str, str]]:
+    """(setting, endpoint) of each socket the daemon's children bind."""
+    return [("endpoint", cfg.resolved_endpoint())] + (
+        [("cache_endpoint", cfg.resolved_cache_endpoint())] if cfg.cache else [])
+
+
+def _check_ports(cfg: DaemonConfig) -> None:
+    """Refuse (exit 2) a tcp:// endpoint the worker or the cache could not bind. Run after the
+    orphans a dead supervisor left are stopped: a port one of them held is ours to take."""
+    for what, endpoint in _endpoints(cfg):
+        if (problem := tcp_problem(endpoint)) is not None:
             raise BadConfig(f"{what} {endpoint} cannot be used: {problem}")
 
 
@@ -139,6 +151,30 @@ def ipc_problem(endpoint: str) -> str | None:
             pass
     except OSError as e:
         return f"cannot make a file in {path.parent}: {e.strerror or e}"
+    return None
+
+
+def tcp_problem(endpoint: str) -> str | None:
+    """Why the worker could not bind this tcp:// endpoint (None: it can, or it is not tcp://),
+    found by binding it once the way the worker will: a port another program holds, or an
+    address this host does not have, used to end in "the worker keeps crashing" with the
+    reason only in the log. (An endpoint our own daemon serves is found before this.)"""
+    import zmq
+
+    if not endpoint.startswith("tcp://"):
+        return None
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as e:
+        reason = os.strerror(e.errno) if e.errno in errno.errorcode else str(e)  # zmq's adds the address
+        hint = " (another program holds that port: choose another)" if e.errno == errno.EADDRINUSE else ""
+        return f"{reason}{hint}"
+    finally:
+        sock.close()
+        ctx.term()
     return None
 
 
@@ -247,6 +283,7 @@ def start(config_path, foreground, wait_s, **flags):
     orphans = _stop_orphans(cfg)  # they would hold the locks the new children need
     if orphans:
         click.echo("stopped what a dead supervisor left running: " + ", ".join(orphans), err=True)
+    _check_ports(cfg)
     paths.private_umask()  # the log file and dirs made here, and the supervisor it starts
     if foreground:
         _run_foreground(cfg)

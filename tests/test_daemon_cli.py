@@ -173,18 +173,27 @@ def test_model_that_fails_to_load_is_reported_and_stopped(tiny_pair, dirs, tmp_p
         _dflashd("stop", *flags)
 
 
-def test_worker_that_keeps_crashing_is_stopped(tiny_pair, dirs):  # noqa: F811
-    """A worker that cannot bind its socket dies at each start: `dflashd start` gives up and
-    stops the supervisor rather than leave it restarting the worker forever. (An ipc:// path
-    that cannot be bound is refused before anything starts since session 43: a tcp:// port
-    this test holds is what the worker finds taken.)"""
+# A sitecustomize that ends the worker's process (the lifeline running dflash.daemon.worker) at
+# once with exit 1, every time it starts: a real crash at start, whatever its cause.
+CRASHING_WORKER = """import os
+cmd = open("/proc/self/cmdline", "rb").read().split(b"\\0")
+if b"dflash.daemon.lifeline" in cmd and b"dflash.daemon.worker" in cmd:
+    os._exit(1)
+"""
+
+
+def test_worker_that_keeps_crashing_is_stopped(tiny_pair, dirs, tmp_path):  # noqa: F811
+    """A worker that dies at each start: `dflashd start` gives up and stops the supervisor rather
+    than leave it restarting the worker forever. (Until session 46 a tcp:// port this test held
+    made it crash; that is refused before anything starts now.)"""
+    import os
+
     flags, d = dirs
     model, draft = tiny_pair
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen(1)
-        out = _dflashd("start", "--model", model, "--draft", draft, "--blas", "none", "--endpoint",
-                       f"tcp://127.0.0.1:{taken.getsockname()[1]}", *flags)
+    (tmp_path / "sitecustomize.py").write_text(CRASHING_WORKER)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-m", "dflash.daemon.cli", "start", "--model", model, "--draft", draft,
+                          "--blas", "none", *flags], capture_output=True, text=True, timeout=120, env=env)
     try:
         assert out.returncode == 1
         line = _error_line(out)
@@ -192,6 +201,31 @@ def test_worker_that_keeps_crashing_is_stopped(tiny_pair, dirs):  # noqa: F811
         _nothing_running(d)
     finally:
         _dflashd("stop", *flags)
+
+
+def test_a_tcp_port_another_program_holds_is_refused_before_anything_starts(tiny_pair, dirs):  # noqa: F811
+    """It ended in "the worker keeps crashing (2 restarts); see log", the reason (address in use)
+    only as a traceback in the log."""
+    flags, d = dirs
+    model, draft = tiny_pair
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        endpoint = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        out = _dflashd("start", "--model", model, "--draft", draft, "--blas", "none", "--endpoint", endpoint, *flags)
+        try:
+            assert out.returncode == 2, out.stderr
+            line = _error_line(out)
+            assert endpoint in line and "Address already in use" in line and "another program" in line, line
+            _nothing_running(d)
+            assert not (d / "run" / "supervisor.pid").exists()
+        finally:
+            _dflashd("stop", *flags)
+    out = _dflashd("start", "--model", model, "--draft", draft, "--blas", "none", "--endpoint", endpoint, *flags)
+    try:  # the port freed: the same command starts
+        assert out.returncode == 0, out.stderr
+    finally:
+        _dflashd("stop", "--endpoint", endpoint, *flags)
 
 
 def test_serve_stops_the_daemon_whose_model_failed_to_load(dirs, tmp_path):
@@ -263,3 +297,24 @@ def test_bad_setting_in_the_config_file_exits_2(dirs, tmp_path, toml, name):
         out = _dflashd(command, "--config", bad, *flags)
         assert out.returncode == 2 and name in _error_line(out)
     assert not (d / "run").exists()  # refused before anything started
+
+
+def test_a_tcp_port_a_dead_supervisors_worker_held_is_taken_back(tiny_pair, dirs):  # noqa: F811
+    """The port check runs after the orphans of a dead supervisor are stopped: their port is ours."""
+    import os
+    import signal
+
+    flags, d = dirs
+    model, draft = tiny_pair
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    args = ["--model", model, "--draft", draft, "--blas", "none", "--endpoint", endpoint, *flags]
+    try:
+        assert _dflashd("start", *args).returncode == 0
+        os.kill(int((d / "run" / "supervisor.pid").read_text()), signal.SIGKILL)
+        out = _dflashd("start", *args)
+        assert out.returncode == 0, out.stderr
+        assert DFlashClient(endpoint, timeout=30).stats()["state"] == "ready"
+    finally:
+        _dflashd("stop", *args)
