@@ -236,13 +236,21 @@ class Compute:
         """A job whose records could not be written (the job store's disk full or read-only): it
         fails with the reason and this thread goes on. It used to die here, leaving a worker that
         still answered and sent heartbeats but never ran a job again: every client waited forever,
-        even after the disk had room again. The job's stored record, if any, runs at the next
-        start as after a crash."""
+        even after the disk had room again. The failure is stored in place of the job's record
+        when the store takes that smaller write (so `status` says it and the next start does not
+        run the job again); when it does not, the record stays and the job runs again at the next
+        start, as after a crash."""
         log.error("job %s: could not record it in the job store: %s", job.job_id, traceback.format_exc())
+        error = P.Error(code=P.JOB_FAILED, job_id=job.job_id, message="the job store (in the daemon's "
+                        f"state dir) could not record the job: {P.reason_line(e)}")
+        try:
+            self.store.finish(job.job_id, P.to_map(error))
+        except Exception as again:  # still full: the record stays (logged, not raised)
+            log.error("job %s: its failure could not be stored either (%s): it runs again at the next start",
+                      job.job_id, P.reason_line(again))
         self.jobs.finish(job, "error")
         self.counters["jobs_failed"] += 1
-        self._emit(job, P.Error(code=P.JOB_FAILED, job_id=job.job_id, message="the job store (in the daemon's "
-                                f"state dir) could not record the job: {P.reason_line(e)}"))
+        self._emit(job, error)
 
     def _generate(self, job: Job) -> tuple[Any, str]:
         from dflash.engine.generate import Finished, stream_dflash_generate
