@@ -31,6 +31,7 @@ import logging
 import os
 import secrets
 import signal
+import sqlite3
 import sys
 import threading
 import time
@@ -291,6 +292,11 @@ class Worker:
             # a refused submit queued nothing: no job id to name (its error would point at none)
             job_id = "" if isinstance(req, P.Submit) else getattr(req, "job_id", "")
             reply = P.Error(code=e.code, message=e.message, job_id=job_id, param=e.param or "")
+        except sqlite3.Error as e:  # the job store (diskcache's SQLite): a full or read-only disk
+            log.error("request failed: the job store could not record it: %s", P.reason_line(e))
+            then = "; the job was not queued: retry once there is room" if isinstance(req, P.Submit) else ""
+            reply = P.Error(code=P.INTERNAL, message="the job store (in the daemon's state dir) could not "
+                            f"record the request: {P.reason_line(e)}{then}")
         except Exception as e:  # a bug here must not take the worker down
             log.exception("request failed")
             reply = P.Error(code=P.INTERNAL, message=f"{type(e).__name__}: {e}")

@@ -168,6 +168,11 @@ def test_a_full_disk_fails_its_jobs_clearly_and_the_worker_goes_on(tiny_pair):  
         assert not any(r.is_alive() for r in readers), f"a job never ended:\n{d.logs()[-3000:]}"
         for job_id in ("fullA", "fullB"):
             assert got[job_id].code == "job_failed" and "could not record the job" in str(got[job_id]), got
+        with pytest.raises(DFlashError) as refused:  # a submit on the full disk: said, nothing queued
+            c.generate("no room", max_tokens=4, job_id="fullC")
+        assert refused.value.code == "internal" and "could not record the request" in str(refused.value)
+        assert "not queued" in str(refused.value) and not any(r["job_id"] == "fullC" for r in c.jobs())
+        assert "request failed: the job store could not record it" in d.logs(), d.logs()[-3000:]
         (state / "junk").unlink()
         done: list = []
         after = threading.Thread(target=lambda: done.append(c.generate("room again", max_tokens=4)))
