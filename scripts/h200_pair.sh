@@ -13,6 +13,7 @@
 #                         compile steps; CK = a checkpoint folder to --resume (e.g. the committed
 #                         benchmark/training/campaign/checkpoint); without CK: a new campaign
 #   wait MAX_S          - wait for the background job to finish (or MAX_S), print progress
+#   failed [LOG]        - exit 0 when the background job (default $LOG) stopped on an error
 #   pack [RUN]          - the checkpoint parts (bf16, <= 15 MB each) + config/trainer/index + a
 #                         reports tar + the derived prompts (gzip) into $OUT (8 files, ~50 MB:
 #                         within the tool's 8 x 16 MiB, 64 MiB in all)
@@ -45,8 +46,16 @@ model() {  # the target in TARGET_DTYPE, rebuilt from the staged GGUF + tokenize
   [ -d "$MODEL" ] || python3 scripts/h200_target.py /tmp/stage/files/SmolLM2-135M-Instruct.Q4_1.gguf \
     /tmp/stage/files/smoltok "$MODEL" --dtype "$TARGET_DTYPE"
 }
+failed() {  # did the background job logged in $1 stop on an error? A traceback, or an exit code
+  # other than 0 and 130 (Ctrl-C/SIGTERM: the checkpoint saved). train-draft's own errors are one
+  # line with no traceback ("Error: --layers 5 contradicts the checkpoint ... (8)", session 46,
+  # whose train phase then read as finished and the next call packed and evaluated nothing)
+  grep -q '^Traceback' "$1" 2>/dev/null && return 0
+  local rc; rc=$(sed -n 's/^TRAIN_DONE rc=//p' "$1" 2>/dev/null | tail -n 1)
+  [ -n "$rc" ] && [ "$rc" != 0 ] && [ "$rc" != 130 ]
+}
 bg() {  # run the training script in its own session, detached from this call
-  setsid nohup bash -c "bash scripts/train_smollm2_h200.sh $MODEL $TRAIN $*; echo TRAIN_DONE" \
+  setsid nohup bash -c "bash scripts/train_smollm2_h200.sh $MODEL $TRAIN $*; echo TRAIN_DONE rc=\$?" \
     > "$LOG" 2>&1 < /dev/null &
   sleep 5; tail -3 "$LOG"
 }
@@ -57,6 +66,7 @@ unpack_data() {  # staged data parts (see packdata) -> $TRAIN/data, once
   ls "$TRAIN/data"
 }
 case "$1" in
+  failed) failed "${2:-$LOG}" ;;
   data)
     model; ns; unpack_data
     if [ -n "${2:-}" ] && [ "$2" != "-" ] && [ ! -f "$TRAIN/data/derived_prompts.jsonl" ]; then
@@ -84,7 +94,7 @@ case "$1" in
       [[ "$flags" =~ ^[0-9.]+$ ]] && flags="--kl-weight $flags"
       dev=$arm; [ "${NGPU:-2}" -lt 2 ] && dev=0  # one GPU: both arms share it (same budget each)
       CUDA_VISIBLE_DEVICES=$dev NGPU=1 DATA=$TRAIN/data setsid nohup bash -c "bash scripts/train_smollm2_h200.sh \
-        $MODEL /tmp/arm$arm --time-budget-s $2 $START $flags ${*:6}; echo TRAIN_DONE" \
+        $MODEL /tmp/arm$arm --time-budget-s $2 $START $flags ${*:6}; echo TRAIN_DONE rc=\$?" \
         > /tmp/arm$arm.log 2>&1 < /dev/null &
     done
     sleep 20; tail -n 2 /tmp/arm0.log /tmp/arm1.log ;;
@@ -97,7 +107,7 @@ case "$1" in
     while [ $SECONDS -lt $end ] && ! grep -q TRAIN_DONE "$LOG"; do sleep 10; done
     grep -E "^\[(data|eval|train)\]" "$LOG" | tail -25
     if grep -q TRAIN_DONE "$LOG"; then  # a crash ends with TRAIN_DONE too: say which it was
-      if grep -q '^Traceback' "$LOG"; then echo "FAILED:"; grep -v '^ ' "$LOG" | tail -n 4; else echo "finished"; fi
+      if failed "$LOG"; then echo "FAILED:"; grep -v '^ ' "$LOG" | tail -n 4; else echo "finished"; fi
     fi ;;
   pack)  # pack [RUN]: RUN = a run folder (default the campaign's; e.g. /tmp/arm1 after `ab`)
     # 8 files come back at most: the weight parts, reports.tar (logs, held-out reports and the

@@ -81,7 +81,7 @@ train_done() {  # the campaign's run, or both arms of an A/B
 # memory, wrote TRAIN_DONE, and the next call went on to the train phase, which regenerated the
 # same data and failed the same way): stop here, and rerun the phase that failed only once
 # .devq/env has changed (say, a smaller --gen-batch-size in TRAIN_FLAGS)
-if [ -z "$AB" ] && done_bg && grep -q '^Traceback' "$LOG"; then
+if [ -z "$AB" ] && done_bg && bash scripts/h200_pair.sh failed "$LOG"; then
   sig=$(md5sum .devq/env 2>/dev/null | cut -c1-8)
   if [ ! -f /tmp/failed_sig ]; then cp "$LOG" "/tmp/failed_$(date +%s).log"; echo "$sig" > /tmp/failed_sig; fi
   if [ "$(cat /tmp/failed_sig)" = "$sig" ]; then
@@ -96,7 +96,7 @@ fi
 # first step, and the next call packed their empty runs as if they had finished): say so, stop
 if [ -n "$AB" ] && [ -f /tmp/ph_train ] && [ ! -f /tmp/ph_pack ] && train_done; then
   for arm in 0 1; do
-    if grep -q '^Traceback' /tmp/arm$arm.log; then
+    if bash scripts/h200_pair.sh failed /tmp/arm$arm.log; then
       echo "== FAILED: arm $arm stopped on an error (/tmp/arm$arm.log); change .devq/env and start the train phase again (rm /tmp/ph_train)"
       grep -v '^ ' /tmp/arm$arm.log | tail -n 4; exit 3
     fi
