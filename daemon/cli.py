@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 import click
 
@@ -114,9 +114,7 @@ def _check_places(cfg: DaemonConfig) -> None:
             paths.private_dir(folder)
         except OSError as e:
             raise BadConfig(f"cannot use {folder} as the {what}: {e.strerror or e}") from None
-    for what, endpoint in _endpoints(cfg):
-        if (problem := ipc_problem(endpoint)) is not None:
-            raise BadConfig(f"{what} {endpoint} cannot be used: {problem}")
+    _refuse_endpoints(cfg, ipc_problem)
 
 
 def _endpoints(cfg: DaemonConfig) -> list[tuple[str, str]]:
@@ -125,12 +123,17 @@ def _endpoints(cfg: DaemonConfig) -> list[tuple[str, str]]:
         [("cache_endpoint", cfg.resolved_cache_endpoint())] if cfg.cache else [])
 
 
+def _refuse_endpoints(cfg: DaemonConfig, problem_of: Callable[[str], str | None]) -> None:
+    """Exit 2 on the first socket `problem_of` says cannot be bound, naming its setting."""
+    for what, endpoint in _endpoints(cfg):
+        if (problem := problem_of(endpoint)) is not None:
+            raise BadConfig(f"{what} {endpoint} cannot be used: {problem}")
+
+
 def _check_ports(cfg: DaemonConfig) -> None:
     """Refuse (exit 2) a tcp:// endpoint the worker or the cache could not bind. Run after the
     orphans a dead supervisor left are stopped: a port one of them held is ours to take."""
-    for what, endpoint in _endpoints(cfg):
-        if (problem := tcp_problem(endpoint)) is not None:
-            raise BadConfig(f"{what} {endpoint} cannot be used: {problem}")
+    _refuse_endpoints(cfg, tcp_problem)
 
 
 def ipc_problem(endpoint: str) -> str | None:

@@ -241,8 +241,7 @@ class Compute:
         run the job again); when it does not, the record stays and the job runs again at the next
         start, as after a crash."""
         log.error("job %s: could not record it in the job store: %s", job.job_id, traceback.format_exc())
-        error = P.Error(code=P.JOB_FAILED, job_id=job.job_id, message="the job store (in the daemon's "
-                        f"state dir) could not record the job: {P.reason_line(e)}")
+        error = P.store_error(P.JOB_FAILED, "the job", e, job_id=job.job_id)
         try:
             self.store.finish(job.job_id, P.to_map(error))
         except Exception as again:  # still full: the record stays (logged, not raised)

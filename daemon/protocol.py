@@ -557,6 +557,13 @@ def shutdown_error(job_id: str, rid: int = 0) -> Error:
                  "restarts", job_id=job_id)
 
 
+def store_error(code: str, what: str, e: BaseException, job_id: str = "", then: str = "") -> Error:
+    """The error for a write the job store refused (its disk full or read-only): one line that
+    names the store's place and the reason, never a traceback."""
+    return Error(code=code, job_id=job_id, message=f"the job store (in the daemon's state dir) could not "
+                 f"record {what}: {reason_line(e)}{then}")
+
+
 @dataclass
 class Status:
     """state: queued, running, done, error, cancelled, unknown. `result` is a Done or Error map."""

@@ -295,8 +295,7 @@ class Worker:
         except sqlite3.Error as e:  # the job store (diskcache's SQLite): a full or read-only disk
             log.error("request failed: the job store could not record it: %s", P.reason_line(e))
             then = "; the job was not queued: retry once there is room" if isinstance(req, P.Submit) else ""
-            reply = P.Error(code=P.INTERNAL, message="the job store (in the daemon's state dir) could not "
-                            f"record the request: {P.reason_line(e)}{then}")
+            reply = P.store_error(P.INTERNAL, "the request", e, then=then)
         except Exception as e:  # a bug here must not take the worker down
             log.exception("request failed")
             reply = P.Error(code=P.INTERNAL, message=f"{type(e).__name__}: {e}")
