@@ -272,8 +272,10 @@ class Gateway:
             # surrogatepass: a header with undecodable bytes is a wrong key, not a crash
             given = token.strip().encode("utf-8", "surrogatepass")
             if scheme.lower() != "bearer" or not hmac.compare_digest(given, self.api_key.encode("utf-8", "surrogatepass")):
-                raise S.ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                err = S.ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                                  "invalid_request_error", None, "invalid_api_key")
+                err.headers["WWW-Authenticate"] = "Bearer"  # a 401 must say which scheme (RFC 9110 15.5.2)
+                raise err
         return await handler(request)
 
     # ------------------------------------------------------------------ generation
@@ -293,7 +295,7 @@ class Gateway:
             raise S.ApiError(400, f"could not read the request body{how}", code="invalid_body",
                              close=True) from None
         try:
-            body = json.loads(raw)
+            body = S.loads(raw)
         except RecursionError:  # the parser recursed on deep nesting ([[[[...)
             raise S.bad(f"the JSON body nests deeper than {S.MAX_DEPTH} levels", None, "invalid_json") from None
         except ValueError as e:  # includes UnicodeDecodeError
@@ -348,7 +350,10 @@ class Gateway:
                 while not isinstance(ev, Result):
                     ev = await anext(events)
             except E.DFlashError as e:
-                raise api_error_from(e, req) from None
+                err = api_error_from(e, req)
+                if e.job_id:  # about a job the daemon took (kept after worker_gone): name it, as answers do
+                    err.headers["x-dflash-job-id"] = job_id
+                raise err from None
             self.metrics.job(ev.stats, ev.finish_reason)
             return web.json_response(S.response(*ctx, ev.text, ev.finish_reason, ev.stats, job_id), headers=headers)
 
@@ -646,11 +651,16 @@ def serve_command(ctx, config_path, host, port, api_key, served_model_name, max_
     default_max_tokens = default_max_tokens_for(default_max_tokens, given, cfg.max_tokens_limit)
     check_port(host, port)  # before a daemon is started for a gateway that could not listen
     started = False
-    if dcli._stats(cfg, 1.0) is None:
+    stats = dcli._stats(cfg, 1.0)
+    if stats is None:
         if attach:
             raise click.ClickException(f"no dflashd answers at {cfg.resolved_endpoint()} (--attach given)")
         ctx.invoke(dcli.start, config_path=config_path, foreground=False, wait_s=wait_s, **flags)
         started = True
+    elif not given:  # the running daemon's own limit: its configuration need not be this command's
+        limit = (stats.get("limits") or {}).get("max_tokens_limit")
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1:
+            default_max_tokens = min(default_max_tokens, limit)
     logging.basicConfig(level=os.environ.get("DFLASH_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(message)s")
     gw = Gateway(cfg.resolved_endpoint(), cfg, api_key=api_key, max_body_bytes=max_body_bytes,
                  default_max_tokens=default_max_tokens, sampling=sampling, model_name=served_model_name,

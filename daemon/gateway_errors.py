@@ -19,8 +19,8 @@ log = logging.getLogger("dflash.gateway")
 
 
 def json_error(err: S.ApiError) -> web.Response:
-    headers = {"Retry-After": "1"} if err.status == 429 else None
-    resp = web.json_response(err.body(), status=err.status, headers=headers)
+    headers = {**({"Retry-After": "1"} if err.status == 429 else {}), **err.headers}
+    resp = web.json_response(err.body(), status=err.status, headers=headers or None)
     if err.close:
         resp.force_close()
     return resp

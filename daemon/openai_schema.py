@@ -7,6 +7,8 @@ below make the response objects and stream chunks from the daemon's deltas and r
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -62,6 +64,7 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.close = close
+        self.headers: dict[str, str] = {}  # extra response headers (the job id of an error about a job)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -129,6 +132,26 @@ def parse_completion(body: Any, default_max_tokens: int) -> GenRequest:
     if body.get("max_tokens") is None:
         req.max_tokens = default_max_tokens
     return req
+
+
+def loads(raw: bytes) -> Any:
+    """The request body's JSON. JSON sets no limit on an integer's digits, but Python refuses to
+    read one past 4300 (sys.get_int_max_str_digits): such a body was a 400 invalid_json telling
+    the client to "use sys.set_int_max_str_digits()". It is read again with those integers taken
+    as one of their size, so the field's own check refuses it (invalid_value, naming the field);
+    any other error comes back as it was."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return json.loads(raw, parse_int=_json_int)
+
+
+def _json_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:  # past the digit limit: a power of two with as many digits (exactness is moot)
+        size = 1 << math.ceil((len(text.lstrip("-")) - 1) * math.log2(10))
+        return -size if text.startswith("-") else size
 
 
 def check_json(body: Any) -> None:
