@@ -11,7 +11,7 @@ import signal
 import threading
 
 import pytest
-from daemon_fixtures import Daemon, tiny_pair, wait_until  # noqa: F401
+from daemon_fixtures import Daemon, running, tiny_pair, wait_until  # noqa: F401
 from test_gateway import Gateway
 
 from dflash.engine.loading import load_pair
@@ -21,11 +21,7 @@ LONG = 8000  # tokens: tens of seconds of the tiny model, so the job is still ru
 
 @pytest.fixture(scope="module")
 def daemon(tiny_pair):  # noqa: F811
-    d = Daemon(*tiny_pair)
-    try:
-        yield d.start()
-    finally:
-        d.stop()
+    yield from running(tiny_pair)
 
 
 @pytest.fixture(scope="module")

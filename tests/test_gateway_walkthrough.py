@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from daemon_fixtures import ROOT, Daemon, tiny_pair, wait_until  # noqa: F401
+from daemon_fixtures import ROOT, Daemon, running, tiny_pair, wait_until  # noqa: F401
 from test_gateway import KEY, MSGS, Gateway, _error, pair  # noqa: F401
 
 LIMIT = 64  # the daemon's max_tokens_limit here
@@ -23,11 +23,7 @@ LIMITS = dict(max_tokens_limit=LIMIT, max_prompt_tokens=256, max_frame_bytes=655
 
 @pytest.fixture(scope="module")
 def daemon(pair):  # noqa: F811
-    d = Daemon(*pair, verify_window="full", **LIMITS)
-    try:
-        yield d.start()
-    finally:
-        d.stop()
+    yield from running(pair, verify_window="full", **LIMITS)
 
 
 @pytest.fixture(scope="module")
