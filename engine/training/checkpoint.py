@@ -17,6 +17,7 @@ crash mid-save never leaves a half checkpoint.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -172,6 +173,13 @@ def load_trainer(folder: str | Path) -> dict[str, Any] | None:
         raise ValueError(f"{f}: not a readable trainer.json ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("step"), int):
         raise ValueError(f"{f}: not a trainer.json (no integer 'step')")
+    if isinstance(data["step"], bool) or data["step"] < 0:  # a resume trimmed the log, then failed
+        raise ValueError(f"{f}: 'step' must be an integer >= 0, got {data['step']}")
+    sched = data.get("schedule", {})
+    if not isinstance(sched, dict) or not all(
+            v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+            for v in sched.values()):  # an AttributeError or TypeError traceback before
+        raise ValueError(f"{f}: 'schedule' must be an object of numbers")
     return data
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import time
 import zlib
@@ -213,20 +214,54 @@ def load_samples(path: Path) -> list[Sample]:
     appending) is skipped and rewritten by the next append; a bad line elsewhere is named."""
     if not path.is_file():
         return []
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:  # the cache is written as ASCII JSON: a hand-edited or other file
+        raise ValueError(f"{path}: not a cache of responses (not UTF-8 text: byte offset {e.start}); "
+                         "delete the file to regenerate it") from None
     lines = text.split("\n")
     out = []
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            out.append(Sample(**json.loads(line)))
+            out.append(_checked(Sample(**json.loads(line))))
         except (ValueError, TypeError) as e:
             if i == len(lines):  # no newline after it: an append that never finished
                 continue
             raise ValueError(f"{path}, line {i}: not a cached response ({e}); delete that line "
                              "or the file to regenerate it") from None
     return out
+
+
+def _checked(s: Sample) -> Sample:
+    """`s` when its fields have the types the cache writes (token ids non-negative ints), else
+    ValueError: a null or a string there failed later with a traceback, an id past the
+    vocabulary crashed the process, and a negative or fractional one was trained on silently."""
+    def ids_ok(v: Any) -> bool:  # type sets, not a loop per id: ~70M ids load on a GPU host's clock
+        return isinstance(v, list) and (not v or (set(map(type, v)) == {int} and min(v) >= 0))
+
+    for name in ("kind", "prompt"):
+        if not isinstance(getattr(s, name), str):
+            raise ValueError(f'"{name}" must be a string')
+    for name in ("prompt_ids", "response_ids"):
+        if not ids_ok(getattr(s, name)):
+            raise ValueError(f'"{name}" must be a list of token ids (integers >= 0)')
+    if s.split not in ("train", "heldout"):
+        raise ValueError('"split" must be "train" or "heldout"')
+    t = s.temperature
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        raise ValueError('"temperature" must be a number >= 0')
+    return s
+
+
+def check_token_ids(samples: list[Sample], vocab_size: int, where: str | Path) -> None:
+    """Refuse cached ids past the target's vocabulary (ValueError): another model's answers,
+    which the embedding lookup would read out of bounds (the process died with SIGSEGV)."""
+    top = max((max(s.ids, default=-1) for s in samples), default=-1)
+    if top >= vocab_size:
+        raise ValueError(f"{where}: a cached token id ({top}) is past the target's vocabulary of "
+                         f"{vocab_size} tokens: these answers are another model's; use another --data-dir")
 
 
 def drop_torn_tail(path: Path) -> None:

@@ -322,6 +322,9 @@ def _train_draft(opts: TrainOptions, log: Log, explicit_arch: dict[str, Any] | N
         probe = TargetModel(model, [0])
         if opts.layer_ids is None and opts.num_capture > probe.num_layers:
             raise ValueError(f"--num-capture {opts.num_capture} is over the target's {probe.num_layers} layers")
+        if opts.layers > probe.num_layers:  # --layers 100000 was killed for memory, without a word
+            raise ValueError(f"--layers {opts.layers} is over the target's {probe.num_layers} layers: a draft "
+                             "that deep costs more than the target's own pass, so it cannot speed it up")
         mask_id = opts.mask_token_id if opts.mask_token_id is not None else pick_mask_token(tokenizer)
         draft = DFlashDraft(draft_config_for(probe, opts.layers, opts.block_size, mask_id,
                                              opts.layer_ids, opts.num_capture))
@@ -337,6 +340,9 @@ def _train_draft(opts: TrainOptions, log: Log, explicit_arch: dict[str, Any] | N
                  f"{draft.config.intermediate_size}, capture {taps_old} -> {draft.config.target_layer_ids}")
         say(f"[train] grown: {grown} (the new parts start as the identity: same proposals as before)")
     cfg = draft.config
+    if cfg.block_size > opts.max_len:  # --block-size 100000 crashed the process (SIGSEGV) in the first step
+        raise ValueError(f"block size {cfg.block_size} is over --max-len {opts.max_len}: a block longer than a "
+                         "training sequence has nothing to learn past its end")
     if opts.short_block_frac > 0:  # inference may cut blocks this short (drafters.short_block_max)
         dc = cfg.extra.setdefault("dflash_config", {})
         dc["short_block_max"] = max(int(dc.get("short_block_max", 0)), opts.short_block_max)
@@ -391,6 +397,7 @@ def _train_draft(opts: TrainOptions, log: Log, explicit_arch: dict[str, Any] | N
         say(f"[data] {opts.train_responses} answers only: {len(samples)} of {n_all} cached responses")
     if not samples:
         raise ValueError(f"no responses to train on in {data_dir}")
+    td.check_token_ids(samples, target.vocab_size, data_dir)
     longest = max(len(s.ids) for s in samples)
     seq_len = int(min(opts.max_len, -(-longest // 32) * 32))
     store = td.TokenStore.from_samples(samples, seq_len)

@@ -224,6 +224,23 @@ def check_report_path(out: str | None) -> None:
         raise click.ClickException(f"--out {out}: the folder {parent} does not exist")
     if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
         raise click.ClickException(f"--out {out}: not writable")
+    if p.exists() and not _is_report(p):  # a model's config.json was replaced by a report
+        raise click.ClickException(f"--out {out} exists and is not an eval-draft report: it would be "
+                                   "replaced; name another file (or delete it first)")
+
+
+def _is_report(p: Path) -> bool:
+    """Whether `p` holds an earlier eval-draft report (or is empty), which --out may replace."""
+    import json
+
+    try:
+        text = p.read_text()
+        if not text.strip():
+            return True
+        body = json.loads(text)
+    except (OSError, ValueError):
+        return False
+    return isinstance(body, dict) and {"target", "draft", "heldout"} <= body.keys()
 
 
 def _eval_cli():
