@@ -132,7 +132,8 @@ def test_a_chat_right_after_the_daemon_stopped_is_answered_503_at_once(make_daem
         assert status == 200, raw
         stop_whole_daemon(d)
         start = time.monotonic()
-        assert start - checked < MODELS_TTL_S, "too slow to send the chat while the model check stands"
+        if start - checked >= MODELS_TTL_S:  # a loaded VM took longer to stop the daemon (20 s, session 47's CI)
+            pytest.skip("the daemon's stop outlasted the model check: this run cannot test the window")
         status, _, raw = g.http("POST", CHAT, {"messages": MSGS, "max_tokens": 4})
         took = time.monotonic() - start
         assert status == 503 and _error(status, raw)["code"] == "unavailable", raw
