@@ -17,13 +17,14 @@ crash mid-save never leaves a half checkpoint.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+
+from ...daemon.protocol import finite_number
 
 PART_BYTES = 15_000_000
 _HEADER_BUDGET = 64 * 1024  # safetensors header (JSON with names, shapes, offsets) per file
@@ -177,7 +178,7 @@ def load_trainer(folder: str | Path) -> dict[str, Any] | None:
         raise ValueError(f"{f}: 'step' must be an integer >= 0, got {data['step']}")
     sched = data.get("schedule", {})
     if not isinstance(sched, dict) or not all(
-            v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+            v is None or finite_number(v)
             for v in sched.values()):  # an AttributeError or TypeError traceback before
         raise ValueError(f"{f}: 'schedule' must be an object of numbers")
     return data

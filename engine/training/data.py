@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import random
 import time
 import zlib
@@ -26,6 +25,8 @@ from typing import Any, Callable, Iterable
 
 import mlx.core as mx
 import numpy as np
+
+from ...daemon.protocol import finite_number
 
 Log = Callable[[str], None]
 
@@ -250,7 +251,7 @@ def _checked(s: Sample) -> Sample:
     if s.split not in ("train", "heldout"):
         raise ValueError('"split" must be "train" or "heldout"')
     t = s.temperature
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+    if not finite_number(t) or t < 0:
         raise ValueError('"temperature" must be a number >= 0')
     return s
 
