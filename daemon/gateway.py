@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import click
-from aiohttp import hdrs, web
+from aiohttp import compression_utils, hdrs, web
 from aiohttp.http import HttpVersion11
 
 from dflash.client import errors as E
@@ -48,6 +48,11 @@ RESTART_WAIT_S = 30.0
 RESTART_POLL_S = 0.1  # how often supervisor.json is read meanwhile
 GONE_POLL_S = 0.5  # how often a generation waiting for its first event reads it (_first_event)
 MODELS_TTL_S = 5.0  # how long a model check that succeeded stands (while the daemon has not stopped)
+# Seconds a request's body may take to arrive, from when its handler starts reading it (after the
+# headers, and after a 100 Continue): a client that stops sending it (or trickles it) is answered
+# 408 and its connection closed, where it held the connection and its handler for ever
+# (--body-timeout).
+BODY_TIMEOUT_S = 30.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # request key: the response whose headers went out (set by on_response_prepare)
 _STARTED: web.RequestKey[web.StreamResponse] = web.RequestKey("dflash_started", web.StreamResponse)
@@ -61,6 +66,14 @@ _STATUS = {
     P.SHUTTING_DOWN: (503, "server_error"), "unavailable": (503, "server_error"),
     "worker_gone": (503, "server_error"),
 }
+# Content codings a request body may have (Content-Encoding): those aiohttp's parser decodes, with
+# the decoders this install has (br and zstd need packages the gateway does not install; without
+# them aiohttp's parser refuses the request itself, 400 invalid_http), and identity (none). A list
+# of codings (`gzip, identity`, or the header twice) is not one of them: aiohttp decodes a single
+# coding only, and read such a body as it came (gzip bytes answered 400 invalid_json), so it is a
+# 415 naming these, as is a coding aiohttp does not know (read as plain JSON before).
+CONTENT_CODINGS = ("gzip", "deflate", *(("br",) if getattr(compression_utils, "HAS_BROTLI", False) else ()),
+                   *(("zstd",) if getattr(compression_utils, "HAS_ZSTD", False) else ()), "identity")
 # Daemon codes whose message is about one field of the request: the answer names it in `param`.
 _FIELD_CODES = {P.BAD_REQUEST, P.BAD_SAMPLING, P.TOO_LARGE, P.BAD_POSITIONS}
 
@@ -99,6 +112,13 @@ def _explain(e: E.DFlashError, message: str, req: S.GenRequest | None) -> str:
     return message
 
 
+class BodyTimeout(asyncio.TimeoutError):
+    """A request body that did not arrive within the gateway's --body-timeout: set on the body's
+    stream, so the read fails with it (answered 408). A TimeoutError, so that aiohttp, which after
+    the answer would read on for the rest of the body (its lingering close, up to 10 s), stops at
+    once and closes the connection."""
+
+
 def _shutting_down() -> S.ApiError:
     return S.ApiError(503, "the server is shutting down: retry the request", "server_error", code=P.SHUTTING_DOWN)
 
@@ -119,12 +139,13 @@ class Gateway:
     def __init__(self, endpoint: str, cfg: DaemonConfig, *, api_key: str | None = None,
                  max_body_bytes: int = 1 << 20, default_max_tokens: int = 512,
                  sampling: str = "apply", model_name: str | None = None,
-                 default_sampling: dict[str, Any] | None = None):
+                 default_sampling: dict[str, Any] | None = None, body_timeout: float = BODY_TIMEOUT_S):
         self.client = AsyncDFlashClient(endpoint, config=cfg, timeout=30.0)
         self.control = AsyncDFlashClient(endpoint, config=cfg, timeout=2.0, retry_interval=1.0)
         self.endpoint, self.run_dir = endpoint, cfg.runtime_path()  # where the daemon's supervisor says how it is
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
         self.default_max_tokens = default_max_tokens
         # "apply": sampling applied, unapplied fields (none today) ignored and listed in a header;
         # "reject": those are a 400 instead; "greedy": every answer greedy, sampling fields listed.
@@ -280,10 +301,20 @@ class Gateway:
 
     # ------------------------------------------------------------------ generation
     async def _body(self, request: web.Request) -> Any:
+        _check_content_coding(request)
         if request.content_length is not None and request.content_length > self.max_body_bytes:
             raise web.HTTPRequestEntityTooLarge(max_size=self.max_body_bytes, actual_size=request.content_length)
+        # The deadline fails the body's stream itself, with no task of its own (asyncio.wait_for's,
+        # on 3.10-3.11, turned a client that left while its body was read into a ConnectionResetError
+        # that aiohttp logged as an error, where this read is cancelled quietly).
+        timer = asyncio.get_running_loop().call_later(self.body_timeout, request.content.set_exception,
+                                                      BodyTimeout())
         try:
             raw = await request.read()
+        except BodyTimeout:
+            raise S.ApiError(408, f"the request body did not arrive within {self.body_timeout:g} s (this server's "
+                             "--body-timeout): send the whole body without pausing", code="request_timeout",
+                             close=True) from None
         except web.RequestPayloadError:  # e.g. a gzip body that does not decompress: the client's error
             # aiohttp's parser stops for good at such a body (the rest of the connection is never
             # read): the answer closes the connection, and the body is ended here, or aiohttp drained
@@ -294,6 +325,8 @@ class Gateway:
             how = f" (Content-Encoding: {encoding})" if encoding else ""
             raise S.ApiError(400, f"could not read the request body{how}", code="invalid_body",
                              close=True) from None
+        finally:
+            timer.cancel()
         try:
             body = S.loads(raw)
         except RecursionError:  # the parser recursed on deep nesting ([[[[...)
@@ -528,6 +561,22 @@ class Gateway:
                             headers={"X-Content-Type-Options": "nosniff"})
 
 
+def _check_content_coding(request: web.Request) -> None:
+    """A 415 for a body whose Content-Encoding aiohttp did not decode: a list of codings (one
+    header or several) or a coding it does not know (see CONTENT_CODINGS). Its body is not read
+    (the answer closes the connection); `Accept-Encoding` says what is taken (RFC 7694)."""
+    given = request.headers.getall(hdrs.CONTENT_ENCODING, [])
+    codings = [c.strip().lower() for v in given for c in v.split(",") if c.strip()]
+    if len(given) <= 1 and len(codings) <= 1 and set(codings) <= set(CONTENT_CODINGS):
+        return
+    shown = P.shown(", ".join(v.strip() for v in given))
+    why = "a list of codings is not decoded" if len(given) > 1 or len(codings) > 1 else "unknown coding"
+    err = S.ApiError(415, f"unsupported Content-Encoding {shown} ({why}): send the body with one of "
+                     f"{', '.join(CONTENT_CODINGS)}", code="unsupported_content_encoding", close=True)
+    err.headers["Accept-Encoding"] = ", ".join(CONTENT_CODINGS)
+    raise err
+
+
 # ----------------------------------------------------------------------------- running it
 
 
@@ -611,6 +660,8 @@ def _daemon_options(f: Any) -> Any:
 @click.option("--api-key", envvar="DFLASH_API_KEY", default=None, help="Require 'Authorization: Bearer KEY' (env DFLASH_API_KEY).")
 @click.option("--served-model-name", default=None, help="Model id in /v1/models (default: the model directory's name).")
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(1024), help="Request body cap.")
+@click.option("--body-timeout", default=BODY_TIMEOUT_S, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Seconds a request body may take to arrive; a client that stalls is answered 408.")
 @click.option("--default-max-tokens", default=512, show_default=True, type=click.IntRange(1), help="When a request sets none.")
 @click.option("--sampling", type=click.Choice(["apply", "reject", "greedy"]), default="apply", show_default=True,
               help="apply: sampling (temperature/top_p/top_k/min_p/min_tokens_to_keep/seed) and logits processors "
@@ -632,7 +683,8 @@ def _daemon_options(f: Any) -> Any:
 @click.option("--wait", "wait_s", default=120.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Seconds to wait for a started daemon's model.")
 @click.pass_context
-def serve_command(ctx, config_path, host, port, api_key, served_model_name, max_body_bytes, default_max_tokens,
+def serve_command(ctx, config_path, host, port, api_key, served_model_name, max_body_bytes, body_timeout,
+                  default_max_tokens,
                   sampling, default_temperature, default_top_p, default_top_k, default_min_p,
                   default_min_tokens_to_keep, attach, stop_daemon, wait_s, **flags):
     """OpenAI-compatible HTTP API over dflashd (starts the daemon, or attaches to a running one)."""
@@ -664,6 +716,7 @@ def serve_command(ctx, config_path, host, port, api_key, served_model_name, max_
     logging.basicConfig(level=os.environ.get("DFLASH_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(message)s")
     gw = Gateway(cfg.resolved_endpoint(), cfg, api_key=api_key, max_body_bytes=max_body_bytes,
                  default_max_tokens=default_max_tokens, sampling=sampling, model_name=served_model_name,
+                 body_timeout=body_timeout,
                  default_sampling={"temperature": default_temperature, "top_p": default_top_p, "top_k": default_top_k,
                                    "min_p": default_min_p, "min_tokens_to_keep": default_min_tokens_to_keep})
 

@@ -34,14 +34,29 @@ BIAS_RANGE = 100  # OpenAI's: each bias in [-100, 100]
 # x-dflash-sampling-ignored header), or, with --sampling reject, the request is refused. None
 # today: the mechanism stays for a field accepted before it is applied.
 _UNAPPLIED: dict[str, Callable[[Any], bool]] = {}
-# Accepted without effect (labels, or neutral values); the others are refused in _check_unsupported.
-_IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "tool_choice",
-            "top_logprobs", "logprobs", "n", "tools", "response_format", "echo", "best_of",
-            "suffix", "functions", "function_call"}
-# The labels among them, with the JSON type each must have (OpenAI refuses another type too).
-_LABELS: dict[str, tuple[type, str]] = {"user": (str, "a string"), "metadata": (dict, "an object"),
-                                        "store": (bool, "a boolean"), "service_tier": (str, "a string"),
-                                        "parallel_tool_calls": (bool, "a boolean")}
+# JSON types as OpenAI names them, each with its test and its words in an error message (an
+# "integer" may be written 2.0: _integer).
+_JSON_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "string": (lambda v: isinstance(v, str), "a string"),
+    "boolean": (lambda v: isinstance(v, bool), "a boolean"),
+    "integer": (lambda v: _integer(v), "an integer"),
+    "object": (lambda v: isinstance(v, dict), "an object"),
+    "array": (lambda v: isinstance(v, list), "an array"),
+}
+# Fields accepted without effect (labels), or only at a neutral value (the others are refused in
+# _check_unsupported), with the JSON type(s) OpenAI gives each: another type is a 400
+# invalid_type naming the field whatever the value ("echo": 0 and "tools": 0 were taken as their
+# neutral values), as OpenAI answers; null is absent, as everywhere. `logprobs` is a boolean in a
+# chat and an integer (the count of top tokens) in a completion (_COMPLETION_TYPES).
+_IGNORED_TYPES: dict[str, tuple[str, ...]] = {
+    "user": ("string",), "metadata": ("object",), "store": ("boolean",), "service_tier": ("string",),
+    "parallel_tool_calls": ("boolean",), "tool_choice": ("string", "object"), "top_logprobs": ("integer",),
+    "logprobs": ("boolean",), "n": ("integer",), "tools": ("array",), "response_format": ("object",),
+    "echo": ("boolean",), "best_of": ("integer",), "suffix": ("string",), "functions": ("array",),
+    "function_call": ("string", "object"),
+}
+_COMPLETION_TYPES = {**_IGNORED_TYPES, "logprobs": ("integer",)}
+_IGNORED = set(_IGNORED_TYPES)
 WIRE_INT_MAX = (1 << 64) - 1  # the largest integer the daemon's wire (msgpack) carries
 # dflash's own extra field (as top_k is vLLM's): the job's verify window, "auto", "full" or a token
 # count, 1 = plain decoding (protocol version 3); absent or null: the daemon's setting
@@ -201,7 +216,7 @@ def _common(body: dict, kind: str, prompt: Any, raw: bool) -> GenRequest:
     if body.get("max_tokens") is not None:
         req.max_tokens = _positive_int(body["max_tokens"], "max_tokens")
         req.max_tokens_param = "max_tokens"
-    _check_labels(body)
+    _check_types(body, _IGNORED_TYPES if kind == "chat" else _COMPLETION_TYPES)
     _check_unsupported(body)
     _sampling(body, req)
     req.processors = _processors(body)
@@ -216,23 +231,21 @@ def _common(body: dict, kind: str, prompt: Any, raw: bool) -> GenRequest:
     return req
 
 
-def _check_labels(body: dict) -> None:
-    """Fields accepted without effect still have OpenAI's types: another type is a mistake to report."""
-    for name, (kind, what) in _LABELS.items():
+def _check_types(body: dict, types: dict[str, tuple[str, ...]]) -> None:
+    """Fields accepted without effect (or only at a neutral value) still have OpenAI's types:
+    another type is a mistake to report (400 invalid_type naming the field), before any value of
+    theirs is looked at; null is absent."""
+    for name, kinds in types.items():
         v = body.get(name)
-        if v is not None and (not isinstance(v, kind) or (kind is str and isinstance(v, bool))):
-            raise bad(f"'{name}' must be {what}", name, "invalid_type")
+        if v is not None and not any(_JSON_TYPES[k][0](v) for k in kinds):
+            raise bad(f"'{name}' must be {' or '.join(_JSON_TYPES[k][1] for k in kinds)}", name, "invalid_type")
 
 
 def _check_count(body: dict, name: str, hint: str) -> None:
-    """n / best_of: an integer >= 1, and only 1 is served (one choice per request)."""
+    """n / best_of (an integer: _check_types): >= 1, and only 1 is served (one choice per request)."""
     v = body.get(name)
     if v is None:
         return
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)  # 1.0 was always taken
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise bad(f"'{name}' must be an integer", name, "invalid_type")
     if v < 1:
         raise bad(f"'{name}' must be >= 1, got {P.shown(v)}", name)
     if v > 1:
@@ -255,8 +268,8 @@ def _check_unsupported(body: dict) -> None:
             raise bad("tools and function calling are not supported by this server", name, "unsupported_parameter")
     if body.get("tool_choice") not in (None, "none", "auto"):
         raise bad("tool_choice is not supported by this server", "tool_choice", "unsupported_parameter")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+    fmt = body.get("response_format")  # an object (_check_types)
+    if fmt is not None and fmt.get("type") != "text":
         raise bad("only response_format {\"type\": \"text\"} is supported", "response_format", "unsupported_parameter")
 
 
@@ -269,10 +282,9 @@ def _sampling(body: dict, req: GenRequest) -> None:
         if v is None:
             continue
         if name in ("top_k", "seed", "min_tokens_to_keep"):
-            if isinstance(v, float) and v.is_integer():
-                v = int(v)  # some clients send 40.0
-            if isinstance(v, bool) or not isinstance(v, int):
+            if not _integer(v):
                 raise bad(f"'{name}' must be an integer", name, "invalid_type")
+            v = int(v)  # some clients send 40.0
             if name == "top_k" and v == -1:
                 v = 0
             if name == "top_k" and v > WIRE_INT_MAX:  # sampling_problem bounds seed; the wire bounds top_k
@@ -306,11 +318,9 @@ def _processors(body: dict) -> dict[str, Any]:
         v = body.get(name)
         if v is None:
             continue
-        if isinstance(v, float) and v.is_integer():
-            v = int(v)
-        if isinstance(v, bool) or not isinstance(v, int):
+        if not _integer(v):
             raise bad(f"'{name}' must be an integer", name, "invalid_type")
-        out[name] = v
+        out[name] = int(v)
     lb = body.get("logit_bias")
     if lb is not None:
         if not (isinstance(lb, dict) and all(_number(v) for v in lb.values())):
@@ -334,6 +344,12 @@ def _unapplied(body: dict) -> list[str]:
 
 def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _integer(v: Any) -> bool:
+    """An integer, as the fields that take one accept it: 40.0 too (some clients send every number
+    as a float), never a boolean."""
+    return (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer())
 
 
 def _positive_int(v: Any, name: str) -> int:
