@@ -4,6 +4,7 @@
     objective.py   the target pass, block_hidden (all blocks in one masked pass), block_loss
     schedule.py    lr as a pure function of the campaign's global step
     checkpoint.py  bf16 weights in <= 15 MB parts + trainer.json; resume / init
+    memory.py      one step's memory from its shapes, refused up front when it cannot fit
     report.py      held-out evaluation with the real decoding loop; the model card
     loop.py        options, the (data-parallel) loop, the CLI
 """

@@ -45,6 +45,7 @@ from .checks import ARCH_OPTIONS, DATA_OPTIONS, campaign_data_options, preflight
 from . import data as td
 from .budget import Budget
 from .grow import grow
+from .memory import StepShape, check_step_memory
 from .objective import block_loss, cast_tree, default_gamma, position_weights, target_pass
 from .report import EvalInterrupted, evaluate, write_model_card
 from .vocab import rank_samples
@@ -267,6 +268,30 @@ def _dtype(name: str | None, on_gpu: bool) -> mx.Dtype:
     return getattr(mx, name or ("bfloat16" if on_gpu else "float32"))
 
 
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+
+
+def _step_shape(opts: TrainOptions, cfg: DraftConfig, target: TargetModel, model: nn.Module,
+                draft: DFlashDraft, seq_len: int, tdt: mx.Dtype, cdt: mx.Dtype) -> StepShape:
+    """One step's shapes (memory.StepShape) for this run, its data `seq_len` tokens long."""
+    from mlx.utils import tree_flatten
+
+    args = target.args
+    # a dense target's MLP width (a mixture of experts runs narrower rows per token: not counted)
+    moe = any(getattr(args, k, None) for k in _MOE_KEYS)
+    width = 0 if moe else int(getattr(args, "intermediate_size", None) or 0)
+    return StepShape(
+        seqs=opts.seqs_per_batch, seq_len=seq_len, anchors=opts.anchors_per_seq,
+        block_size=cfg.block_size, hidden=target.hidden_size, vocab=target.vocab_size,
+        num_capture=len(cfg.target_layer_ids), target_intermediate=width,
+        draft_layers=cfg.num_hidden_layers, draft_intermediate=cfg.intermediate_size,
+        heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+        target_weight_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),
+        draft_params=sum(v.size for _, v in tree_flatten(draft.trainable_parameters())),
+        target_bytes=tdt.size, compute_bytes=cdt.size,
+        target_logits=opts.kl_weight > 0)
+
+
 # --- the pipeline --------------------------------------------------------------------------------
 def train_draft(opts: TrainOptions, log: Log = print,
                 explicit_arch: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -348,6 +373,15 @@ def _train_draft(opts: TrainOptions, log: Log, explicit_arch: dict[str, Any] | N
         dc["short_block_max"] = max(int(dc.get("short_block_max", 0)), opts.short_block_max)
     target = TargetModel(model, cfg.target_layer_ids)
     check_fit(draft, target)  # the drafter's own check, before any data or training work
+
+    def step_shape(seq_len: int) -> StepShape:
+        return _step_shape(opts, cfg, target, model, draft, seq_len, tdt, cdt)
+
+    # one step's memory, before any data: the shortest sequences the data can give (32 tokens, or
+    # --max-len) already rule out --seqs-per-batch 100000 or --block-size 100000; checked again
+    # with the data's own length before the first step (memory.py)
+    if not opts.data_only:
+        check_step_memory(step_shape(min(opts.max_len, 32)), mx, length_known=False)
     if opts.init_from_target and not (opts.resume or opts.init_draft):
         say(f"[train] warm start: {_init_from_target(draft, target)} matrices from the target")
     master = cast_tree(draft.trainable_parameters(), mx.float32)
@@ -407,6 +441,7 @@ def _train_draft(opts: TrainOptions, log: Log, explicit_arch: dict[str, Any] | N
     if opts.data_only:
         return {"data_only": True, "train_sequences": store.num_sequences,
                 "train_tokens": store.num_tokens, "generation_time_s": t_gen}
+    check_step_memory(step_shape(seq_len), mx)  # the sequences' real length: before any compile
 
     # --- schedule + optimiser --------------------------------------------------------------------
     if trainer:
