@@ -18,6 +18,9 @@ means the store is not the one they are in (cache/marks.py).
 A put with ack=False gets no reply. A put's reply, ok or not, lists the keys evicted to make room
 for it (`evicted`), so that the worker stops counting its L1 copies of them as stored in L2; a
 reply without the list (an `internal` error) means the worker cannot know what is still stored.
+A write that fails (a full disk) leaves no value file behind and is logged once per run of
+failures (then counted in `write_errors`); a row whose value file was deleted outside dflash is
+dropped at its next lookup (`missing_files`).
 Position lists are stored with a crc32 (`_pack_positions`): a damaged one is absent, never
 another list. Bad frames get an error reply (or are dropped when no reply is possible); nothing a
 client sends stops the process.
@@ -40,6 +43,7 @@ import logging
 import os
 import secrets
 import signal
+import sqlite3
 import struct
 import subprocess
 import sys
@@ -65,6 +69,7 @@ MAX_NAME = 200
 SNAP_PREFIX = "snap:"
 _POS_MAGIC = b"DFPL"  # a stored position list: magic | u32 crc32(list) | the list, msgpack
 _LRU = "SELECT key FROM Cache WHERE key != ? ORDER BY access_time LIMIT 10"
+_READ_ROW = "SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = 1"
 _FILE_OF = "SELECT filename FROM Cache WHERE key = ? AND raw = 1"
 _ROWS_NAMING = "SELECT COUNT(*) FROM Cache WHERE filename = ?"
 _DROP_ROW = "DELETE FROM Cache WHERE key = ? AND raw = 1"  # diskcache's triggers keep count and size
@@ -96,6 +101,21 @@ class BytesOnlyDisk(diskcache.Disk):
             raise TypeError("refusing to unpickle a cache value")
         return super().fetch(mode, filename, value, read)
 
+    written: str | None = None  # full path of the value file the last store() began
+
+    def _write(self, full_path, iterator, mode, encoding=None):
+        """diskcache's write, minus what a failed one left: a value file cut short by a full
+        disk (ENOSPC, EFBIG) stayed on disk, named by no row, outside the size limit, until the
+        next start-up's orphan sweep; each failed write of a full disk left another."""
+        self.written = full_path
+        try:
+            return super()._write(full_path, iterator, mode, encoding)
+        except FileExistsError:  # never ours: diskcache's names are random, opened with "x"
+            raise
+        except BaseException:
+            _remove(full_path)
+            raise
+
 
 class Store:
     """The two diskcache stores: snapshots (LRU within a byte budget) and position lists."""
@@ -121,13 +141,37 @@ class Store:
         self.recoveries = repair.notes(directory)  # damaged stores kept for inspection
         self.counters = dict(
             hits=0, misses=0, puts=0, corrupt_dropped=0, write_errors=0, evictions=0,
-            bad_requests=0, too_large=0, orphans_removed=0,
+            bad_requests=0, too_large=0, orphans_removed=0, missing_files=0,
+            unrecorded_reads=0,
         )
         for cache in (self.snaps, self.positions):
             self.counters["orphans_removed"] += repair.remove_orphans(cache)
+        self._failing = 0  # writes failed since the last one that worked (logged once)
+        self._unrecorded = 0  # reads whose use could not be recorded since the last that could
         self._homes = {d: _identity(d / "cache.db") for d in (directory / "snapshots",
                                                                directory / "positions")}
         self.id = _store_id(self.snaps)  # in every reply: the worker's in-L2 marks hold under it
+        self._trim()
+
+    def _trim(self) -> None:
+        """Evict down to the size limit at start-up: a limit lowered since the store was filled
+        (`l2_cache_gb` 20 -> 5 on a disk that ran full) used to free nothing until the next
+        write, and nothing at all while only reads came. A new id when anything went: the
+        worker's in-L2 marks may name what was evicted (module doc)."""
+        if self.snaps.volume() <= self.snaps.size_limit:
+            return
+        before = self.snaps.volume()
+        evicted: list[str] = []
+        try:
+            self._make_room(0, keep="", evicted=evicted)
+        except Exception as e:  # a full disk may fail the deletes too: the next write tries again
+            if repair.is_damage(e):
+                raise
+            log.warning("could not evict down to the size limit at start-up: %s", e)
+        if evicted:
+            self.renew_id()
+            log.warning("the store held %d bytes, over its size limit of %d: evicted %d least "
+                        "recently used snapshots", before, self.snaps.size_limit, len(evicted))
 
     def renew_id(self) -> None:
         """A new id, kept in the store: its contents are no longer what they were (a clear)."""
@@ -147,13 +191,18 @@ class Store:
         for key in keys:
             try:
                 data = self.snaps.get(key, default=None, retry=True)
-            except Exception as e:  # unreadable file or row: treat like corruption
+                self._unrecorded = 0
+            except Exception as e:
                 if repair.is_damage(e):
                     raise  # the database itself: the server stops, a restart recreates it
-                log.warning("dropping unreadable entry %s: %s", key, e)
-                self._drop(key)
-                continue
+                try:  # a get is a write too (its LRU time): a full disk failed every hit
+                    data = self._read_unrecorded(key, e)
+                except Exception:  # unreadable file or row: treat like corruption
+                    log.warning("dropping unreadable entry %s: %s", key, e)
+                    self._drop(key)
+                    continue
             if data is None:
+                self._drop_if_fileless(key)
                 continue
             reason = snapshot.verify(data, key)
             if reason:
@@ -164,6 +213,41 @@ class Store:
             return key, data
         self.counters["misses"] += 1
         return None
+
+    def _read_unrecorded(self, key: str, why: Exception) -> bytes | None:
+        """The value of `key` read without recording its use, after diskcache's get failed: that
+        get updates the entry's LRU time in a write transaction, which a full disk fails
+        ("disk I/O error", "database or disk is full"). Every hit was then taken for an
+        unreadable entry: a miss, a delete attempted, a warning per entry per lookup. Raises
+        when the entry cannot be read either. Logged once per run of such reads."""
+        row = self.snaps._sql(_READ_ROW, (key,)).fetchone()
+        if row is None:
+            return None
+        data = self.snaps.disk.fetch(row[0], row[1], row[2], False)
+        self.counters["unrecorded_reads"] += 1
+        self._unrecorded += 1
+        if self._unrecorded == 1:
+            log.warning("could not record the use of %s (%s; a full disk?): entries are served "
+                        "without updating their LRU order until that works again; not logged again "
+                        "meanwhile (unrecorded_reads)", key, why)
+        return data
+
+    def _drop_if_fileless(self, key: str) -> None:
+        """A row whose value file is gone (deleted outside dflash: a temp-file cleaner, a `find
+        -delete` of old files) reads as a miss in diskcache, and its row stayed: counted in the
+        store's bytes and entries, asked for by every lookup of that prefix, evicted last in
+        its turn. Drop the row; log the first such drop, count them all (`missing_files`)."""
+        try:
+            row = self.snaps._sql(_FILE_OF, (key,)).fetchone()
+            if row is None or not row[0] or os.path.exists(os.path.join(self.snaps.directory, row[0])):
+                return
+            self.snaps._sql(_DROP_ROW, (key,))
+        except Exception:
+            return
+        self.counters["missing_files"] += 1
+        if self.counters["missing_files"] == 1:
+            log.warning("the value file of %s is missing (deleted outside dflash?): entry dropped; "
+                        "further ones are counted (missing_files), not logged", key)
 
     def _drop(self, key: str) -> None:
         """Delete a bad entry; its value file too, unless another row names that file (a damaged
@@ -191,6 +275,8 @@ class Store:
                         key, len(data), self.snaps.size_limit)
             self.counters["too_large"] += 1
             return "too_large"
+        disk = self.snaps.disk
+        disk.written = None
         try:
             # before writing: the disk never holds more
             self._make_room(len(data), keep=key, evicted=evicted)
@@ -199,11 +285,37 @@ class Store:
         except Exception as e:  # ENOSPC, EFBIG, sqlite "database or disk is full", ...
             if repair.is_damage(e):
                 raise
-            log.warning("write of %s failed: %s", key, e)
+            self._unnamed(disk.written)
             self.counters["write_errors"] += 1
+            self._write_failing(key, e)
             return "write_failed"
         self.counters["puts"] += 1
+        if self._failing:
+            log.warning("L2 writes work again, after %d failed", self._failing)
+            self._failing = 0
         return ""
+
+    def _write_failing(self, key: str, e: Exception) -> None:
+        """Log the first failure of a run of failed writes, with what it means; count the rest.
+        A full disk failed every snapshot write of every prompt, one warning line each."""
+        self._failing += 1
+        if self._failing == 1:
+            log.warning("write of %s failed: %s. Snapshots are kept in memory (L1) only while L2 "
+                        "writes fail; further failures are counted (write_errors in `dflash-client "
+                        "cache show`), not logged, until one succeeds", key, e)
+
+    def _unnamed(self, path: str | None) -> None:
+        """Remove the value file a failed set wrote in full when no row names it (the database
+        insert after it failed: "database or disk is full"); diskcache leaves it behind."""
+        if not path:
+            return
+        try:
+            name = os.path.relpath(path, self.snaps.directory)
+            named = self.snaps._sql(_ROWS_NAMING, (name,)).fetchone()[0]
+        except Exception:
+            return  # cannot tell: the orphan sweep at the next start-up decides
+        if not named:
+            _remove(path)
 
     def _make_room(self, need: int, keep: str, evicted: list[str] | None = None) -> None:
         """Evict least-recently-used snapshots (never `keep`) until `need` more bytes fit; the
@@ -449,6 +561,13 @@ def _store_id(cache: diskcache.Cache, renew: bool = False) -> str:
     return new
 
 
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
 def _identity(path: Path) -> tuple[int, int] | None:
     """(device, inode) of `path`, None when it is missing: tells a replaced file from the same one."""
     try:
@@ -499,7 +618,14 @@ def run(directory: str | Path, endpoint: str, size_limit: int = DEFAULT_SIZE_LIM
         _exit(2, f"cannot use {directory} as the cache directory: {_reason(e)}")
     if endpoint.startswith("ipc://"):
         Path(endpoint[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True)
-    store = Store(directory, size_limit)
+    try:
+        store = Store(directory, size_limit)
+    except (OSError, sqlite3.Error) as e:  # damage is repaired inside; this is a full disk, I/O...
+        # It used to end in a 20-line traceback at every restart, without a reason for status.
+        why = _reason(e) if isinstance(e, OSError) else str(e)
+        lock.close()
+        _exit(1, f"cannot open the L2 store in {directory} now ({why}; a full disk?): exiting to be "
+                 "restarted; the worker serves from memory (L1) meanwhile")
     server = Server(store, endpoint)
     if endpoint.startswith("ipc://"):
         os.chmod(endpoint[len("ipc://"):], 0o600)  # its directory is the 0700 runtime dir

@@ -45,16 +45,30 @@ def dir_fingerprint(path: str | Path) -> str:
 
 def pair_identity(pair: Any, dtype: str | None) -> Identity:
     """Everything besides the prompt's token ids that decides a snapshot of this pair."""
+    model, draft = model_dir(pair.model_path), Path(pair.draft_path).expanduser().resolve()
     template = getattr(pair.tokenizer, "chat_template", None) or ""
     if not isinstance(template, str):
         template = repr(template)
     return Identity(
-        target=f"{Path(pair.model_path).resolve()}|{dtype or 'native'}|{dir_fingerprint(pair.model_path)}"
-               f"|{compute_identity()}",
-        draft=f"{Path(pair.draft_path).resolve()}|{_draft_dtype(pair)}|{dir_fingerprint(pair.draft_path)}",
+        target=f"{model}|{dtype or 'native'}|{dir_fingerprint(model)}|{compute_identity()}",
+        draft=f"{draft}|{_draft_dtype(pair)}|{dir_fingerprint(draft)}",
         layer_ids=tuple(int(i) for i in pair.drafter.layer_ids),
         template=hashlib.sha256(template.encode()).hexdigest(),
     )
+
+
+def model_dir(model: str) -> Path:
+    """The folder the model was loaded from. `pair.model_path` is the model as the config names
+    it: a Hugging Face repo id or a `~/...` path named no folder here, so the fingerprint hashed
+    nothing and the identity stayed the same when the weights changed (a new revision in the HF
+    cache, a fine-tune saved over `~/models/x`): the old weights' snapshots were restored into
+    the new model."""
+    from dflash.engine.loading import resolve_model
+
+    try:
+        return Path(resolve_model(model)).resolve()
+    except Exception:  # loaded, so this is a race with the folder going away: still a folder name
+        return Path(model).expanduser().resolve()
 
 
 def compute_identity() -> str:
