@@ -559,7 +559,9 @@ def cache_detail_lines(cache: dict | None) -> list[str]:
         lines += [
             f"{'cache L2 budget':18} {_mib(proc.get('bytes', 0))} of {_mib(proc.get('size_limit', 0))}",
             f"{'cache L2 process':18} " + ", ".join(f"{proc.get(k, 0)} {k.replace('_', ' ')}" for k in (
-                "hits", "misses", "puts", "too_large", "write_errors", "orphans_removed")),
+                "hits", "misses", "puts", "too_large", "write_errors", "orphans_removed"))
+            + "".join(f", {proc[k]} {k.replace('_', ' ')}" for k in ("missing_files", "unrecorded_reads")
+                      if proc.get(k)),  # rare (files deleted outside dflash, a full disk): shown when they happen
             f"{'position lists':18} {cache.get('position_lists', 0)} (kept by `cache clear`)",
         ]
     return lines
@@ -639,7 +641,17 @@ def cache_show(client: DFlashClient, as_json: bool = False):
     if as_json:
         click.echo(json.dumps(st.get("cache"), indent=2))
         return
-    for line in cache_lines(st.get("cache")) + cache_detail_lines(st.get("cache")):
+    lines = cache_lines(st.get("cache"))
+    if (st.get("cache") or {}).get("enabled") and not st["cache"].get("l2_up"):
+        from dflash.daemon.supervisor import child_error
+
+        try:  # why, when the daemon's supervisor runs here (as `dflashd status` says it)
+            why = child_error(client._cfg.runtime_path(), client.endpoint, "cache")
+        except OSError:
+            why = None
+        if why:
+            lines[0] += f"; stopped: {why}"
+    for line in lines + cache_detail_lines(st.get("cache")):
         click.echo(line)
 
 

@@ -131,9 +131,49 @@ def _refuse_endpoints(cfg: DaemonConfig, problem_of: Callable[[str], str | None]
 
 
 def _check_ports(cfg: DaemonConfig) -> None:
-    """Refuse (exit 2) a tcp:// endpoint the worker or the cache could not bind. Run after the
-    orphans a dead supervisor left are stopped: a port one of them held is ours to take."""
+    """Refuse (exit 2) a tcp:// endpoint the worker or the cache could not bind, an ipc://
+    socket another process serves, and a cache_dir another daemon uses. Run after the orphans a
+    dead supervisor left are stopped: a port, socket or folder one of them held is ours to take."""
     _refuse_endpoints(cfg, tcp_problem)
+    _refuse_endpoints(cfg, ipc_in_use)
+    if cfg.cache and (problem := cache_dir_problem(cfg.cache_path())) is not None:
+        raise BadConfig(problem)
+
+
+def ipc_in_use(endpoint: str) -> str | None:
+    """Why this ipc:// endpoint must not be bound (None: nothing serves it, or it is not ipc://):
+    a process accepts connections on its socket. ZeroMQ binds an ipc:// path by removing what is
+    there, so a second daemon given another's endpoint or cache_endpoint took that socket from it
+    without an error: the other daemon's clients (or worker) then reached this one."""
+    import socket
+
+    path = paths.ipc_path(endpoint)
+    if path is None or not path.exists():
+        return None
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(os.fsencode(path))
+    except OSError:  # a socket file nothing listens on any more (a stopped daemon's), or no socket
+        return None
+    finally:
+        probe.close()
+    return "another process (another daemon?) serves that socket; binding it would take it from that process"
+
+
+def cache_dir_problem(cache_dir: Path) -> str | None:
+    """Why this daemon cannot have `cache_dir` (None: no other process uses it): one cache process
+    per folder, so a second daemon's would only wait (serving from L1) for the first to stop."""
+    owner = supervisor.cache_dir_owner(cache_dir)
+    if owner is not None:
+        who = (f"the daemon at {owner['endpoint']} (runtime_dir {owner.get('runtime_dir')})"
+               if isinstance(owner.get("endpoint"), str) else "another daemon")
+    elif supervisor.lock_held(cache_dir / "l2.lock"):
+        who = "another cache process"
+    else:
+        return None
+    return (f"cache_dir {cache_dir} is in use by {who}: two daemons cannot share one cache folder; "
+            "set cache_dir (or DFLASH_CACHE_DIR) to another folder, or stop that daemon")
 
 
 def ipc_problem(endpoint: str) -> str | None:

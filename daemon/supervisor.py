@@ -4,7 +4,13 @@ It spawns the worker as `python -m dflash.daemon.worker --config-json ...` and t
 as `python -m dflash.cache.l2 --dir ... --endpoint ...`, restarts one that dies with exponential
 backoff (reset once a child has stayed up for a minute), and stops when the worker exits 0 (a
 requested shutdown) or a child reports a configuration error (2, 3: restarting won't help; a
-cache process that cannot start leaves the worker serving with L1 only).
+cache process that cannot start leaves the worker serving with L1 only). One exception: a cache
+process that exits 3 (another cache process holds its cache_dir) is started again with the same
+backoff (up to restart_backoff_max_s), so it takes the folder over once the other one stops;
+until then its reason, with "retrying", is what `dflashd status` shows.
+While it runs with `cache` on, the supervisor also holds `dflashd.lock` in the cache_dir, which
+names its endpoint and runtime_dir (`cache_dir_owner`): a second daemon given the same cache_dir
+is refused at `dflashd start` with that name instead of serving without its L2.
 A child that exits on an error it can name (a bad config, an unusable cache_dir, a model that
 failed to load under `exit_on_load_failure`) logs it and writes it, one line, to the file named
 in $DFLASH_EXIT_REASON_FILE (`<runtime dir>/<child>.exit-reason`, `write_exit_reason`); the
@@ -44,6 +50,8 @@ STABLE_S = 60.0
 SETTLED_S = 5.0  # a child up this long got past its start-up checks: its predecessor's reason is stale
 REASON_ENV = "DFLASH_EXIT_REASON_FILE"
 LOCK, PID_FILE, STATE_FILE = "supervisor.lock", "supervisor.pid", "supervisor.json"
+CACHE_OWNER = "dflashd.lock"  # in the cache_dir: held by the supervisor whose cache process uses it
+RETRYING = "retrying until it is free"
 
 
 @dataclass
@@ -61,6 +69,7 @@ class Child:
     extra_env: dict = field(default_factory=dict)
     args: list[str] = field(default_factory=list)
     lock: Path | None = None  # the file the child holds locked while it runs
+    retry_codes: tuple = ()  # exit codes in FATAL_CODES this child is restarted after anyway
 
 
 def _children(cfg: DaemonConfig) -> list[Child]:
@@ -68,7 +77,7 @@ def _children(cfg: DaemonConfig) -> list[Child]:
                       lock=cfg.runtime_path() / "worker.lock")]
     if cfg.cache:  # started alongside; the worker serves L1-only whenever it is down
         children.append(Child("cache", "dflash.cache.l2", args=cfg.cache_args(), extra_env={"DFLASH_CACHE_LOG": "INFO"},
-                              lock=cfg.cache_path() / "l2.lock"))
+                              lock=cfg.cache_path() / "l2.lock", retry_codes=(3,)))
     return children
 
 
@@ -111,7 +120,9 @@ class Supervisor:
             return
         child.last_rc, child.proc = rc, None
         child.last_error = read_exit_reason(reason_path(self.run_dir, child.name))  # the child logged it
-        if rc in FATAL_CODES or (rc == 0 and child.name == "worker"):
+        if rc in child.retry_codes:  # e.g. another cache process holds the cache_dir: wait it out
+            child.last_error = f"{child.last_error or f'exited with {rc}'}; {RETRYING}"
+        elif rc in FATAL_CODES or (rc == 0 and child.name == "worker"):
             log.info("%s exited with %d; not restarting", child.name, rc)
             child.done = True
             self._write_state()
@@ -138,6 +149,7 @@ class Supervisor:
             log.error("another supervisor holds %s", self.run_dir / LOCK)
             return 3
         (self.run_dir / PID_FILE).write_text(str(os.getpid()))
+        owner = self._own_cache_dir()
         self._write_state()  # replaces any state a dead supervisor left
         # Only this process holds the write end (not inherited): its death closes the pipe.
         self._lifeline, keep = os.pipe()
@@ -155,9 +167,34 @@ class Supervisor:
                 (self.run_dir / name).unlink(missing_ok=True)
             os.close(keep)
             os.close(self._lifeline)
+            if owner is not None:
+                owner.close()
             lock.close()
         worker = self.children[0]
         return worker.last_rc if worker.last_rc in FATAL_CODES else 0
+
+    def _own_cache_dir(self):
+        """Lock `dflashd.lock` in the cache_dir and write this daemon's name into it (None: cache
+        off, a folder that cannot be made (the cache process reports why), or another daemon's
+        supervisor holds it: its cache process is then the one that waits)."""
+        if not self.cfg.cache:
+            return None
+        try:
+            self.cfg.cache_path().mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.cfg.cache_path() / CACHE_OWNER, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            return None
+        f = os.fdopen(fd, "r+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            f.truncate(0)
+            f.write(json.dumps({"endpoint": self.cfg.resolved_endpoint(), "runtime_dir": str(self.run_dir),
+                                "supervisor_pid": os.getpid()}))
+            f.flush()
+            return f
+        except OSError:
+            f.close()
+            return None
 
     def _stop_children(self, grace_s: float = 20.0) -> None:
         live = [c for c in self.children if c.proc is not None and c.proc.poll() is None]
@@ -232,6 +269,19 @@ def lock_held(path: Path) -> bool:
         os.close(fd)  # also drops the probe's own lock
 
 
+def cache_dir_owner(cache_dir: Path) -> dict | None:
+    """The daemon whose supervisor uses `cache_dir` ({"endpoint", "runtime_dir", "supervisor_pid"};
+    {} when one holds it but its name cannot be read), None when no running daemon does."""
+    path = cache_dir / CACHE_OWNER
+    if not lock_held(path):
+        return None
+    try:
+        owner = json.loads(path.read_text())
+        return owner if isinstance(owner, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
 def live_pid(run_dir: Path) -> int | None:
     """The running supervisor's pid; None when none runs (its pid file, if any, is stale)."""
     if not lock_held(run_dir / LOCK):
@@ -249,6 +299,21 @@ def read_state(run_dir: Path) -> dict:
         return state if isinstance(state, dict) else {}
     except (OSError, ValueError):
         return {}
+
+
+def child_error(run_dir: Path, endpoint: str, name: str) -> str | None:
+    """The reason the child `name` of the live supervisor in `run_dir` serving `endpoint` gave when
+    it last exited (None: none, or no such supervisor here): what `dflash-client cache show`
+    adds to an "L2 DOWN" line when it runs on the daemon's machine."""
+    sup_pid = live_pid(run_dir)
+    state = read_state(run_dir)
+    children = state.get("children") if isinstance(state.get("children"), dict) else {}
+    child = children.get(name)
+    if sup_pid is None or state.get("supervisor_pid") != sup_pid or state.get("endpoint") != endpoint \
+            or not isinstance(child, dict):
+        return None
+    error = child.get("last_error")
+    return error if isinstance(error, str) and error else None
 
 
 def worker_state(run_dir: Path, endpoint: str) -> str:
