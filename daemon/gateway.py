@@ -19,6 +19,7 @@ import re
 import signal
 import time
 import uuid
+from email.utils import formatdate
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -53,6 +54,14 @@ MODELS_TTL_S = 5.0  # how long a model check that succeeded stands (while the da
 # 408 and its connection closed, where it held the connection and its handler for ever
 # (--body-timeout).
 BODY_TIMEOUT_S = 30.0
+# Seconds a request's headers may take to arrive: from when a connection is accepted, and on a
+# kept-alive connection from the first byte of its next request. A connection that sends nothing,
+# or trickles its headers (slowloris), held the connection for aiohttp's keep-alive timeout (an
+# hour), since aiohttp calls no handler until the headers are complete (--header-timeout).
+HEADER_TIMEOUT_S = 30.0
+# Seconds a kept-alive connection may stay idle between requests before it is closed (aiohttp's
+# own default was 3630; --keepalive-timeout).
+KEEPALIVE_TIMEOUT_S = 75.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # request key: the response whose headers went out (set by on_response_prepare)
 _STARTED: web.RequestKey[web.StreamResponse] = web.RequestKey("dflash_started", web.StreamResponse)
@@ -125,12 +134,121 @@ def _shutting_down() -> S.ApiError:
 
 async def start_runner(gw: "Gateway", **kwargs: Any) -> web.AppRunner:
     """The gateway's app in a set-up aiohttp AppRunner (its sites not started yet), whose
-    connections answer aiohttp's own errors in OpenAI's shape too."""
+    connections answer aiohttp's own errors in OpenAI's shape too, close when a request's headers
+    do not arrive within gw.header_timeout, and idle kept-alive for gw.keepalive_timeout at most."""
+    kwargs.setdefault("keepalive_timeout", gw.keepalive_timeout)
     runner = web.AppRunner(gw.app(), **kwargs)
     await runner.setup()
     assert runner.server is not None
     json_connection_errors(runner.server, gw.metrics)
+    header_deadlines(runner.server, gw.header_timeout, gw.metrics)
     return runner
+
+
+class HeaderDeadline(web.RequestHandler):
+    """A connection handler that closes its connection when a request's headers do not arrive
+    within `header_timeout` seconds: counted from when the connection is accepted, and on a
+    kept-alive connection from the first byte of its next request (the idle time before that byte
+    is aiohttp's keep-alive timeout). A client that sent part of its headers is answered a 408
+    request_timeout first; one that sent nothing is closed without a word, as an idle kept-alive
+    connection is (a 408 it never asked for could pass for the answer to a request it sends at that
+    moment). Mixed into the server's handler class by `header_deadlines`, which sets the class
+    attributes; the timers live in `deadlines` (aiohttp's handlers have slots and no room for one)."""
+
+    __slots__ = ()  # aiohttp's layout exactly: the server swaps the class of the handlers it makes
+    header_timeout: float = HEADER_TIMEOUT_S
+    metrics: GatewayMetrics | None = None
+    # handler -> (its timer, whether bytes of the request it waits for arrived)
+    deadlines: dict[web.RequestHandler, tuple[asyncio.TimerHandle, bool]] = {}
+
+    def _idle(self) -> bool:
+        """start() waits for a request (no handler runs, none is queued): what arrives now is the
+        next request's headers."""
+        return self._waiter is not None and not self._waiter.done() and not self._messages
+
+    def _arm(self, started: bool) -> None:
+        timer = self._loop.call_later(self.header_timeout, self._headers_late)
+        self.deadlines[self] = (timer, started)
+
+    def _disarm(self) -> None:
+        entry = self.deadlines.pop(self, None)
+        if entry is not None:
+            entry[0].cancel()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if self.transport is not None:
+            self._arm(False)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        idle, queued = self._idle(), len(self._messages)
+        super().data_received(data)
+        if len(self._messages) > queued:  # a request's headers are complete (or refused: a 400)
+            self._disarm()
+        elif idle and data and self._idle():  # part of the next request's headers
+            entry = self.deadlines.get(self)
+            if entry is None:
+                self._arm(True)
+            elif not entry[1]:
+                self.deadlines[self] = (entry[0], True)
+
+    def _process_keepalive(self) -> None:
+        # aiohttp's keep-alive timer closes a connection that waits for a request; one whose request
+        # has begun to arrive is this class's deadline's (aiohttp sets the timer again after it).
+        entry = self.deadlines.get(self)
+        if entry is not None and entry[1]:
+            self._keepalive_handle = None
+            return
+        super()._process_keepalive()
+
+    def _headers_late(self) -> None:
+        entry = self.deadlines.pop(self, None)
+        if entry is None or self.transport is None or not self._idle():
+            return
+        if entry[1]:
+            err = S.ApiError(408, f"the request headers did not arrive within {self.header_timeout:g} s (this "
+                             "server's --header-timeout): send the whole request without pausing",
+                             code="request_timeout")
+            body = json.dumps(err.body()).encode()
+            head = ("HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json; charset=utf-8\r\n"
+                    f"Content-Length: {len(body)}\r\nDate: {formatdate(usegmt=True)}\r\nConnection: close\r\n\r\n")
+            self.transport.write(head.encode("ascii") + body)
+            if self.metrics is not None:
+                self.metrics.request("other", 408)
+            log.debug("request headers from %s late (--header-timeout): answered 408", self.peername)
+        self.force_close()  # the transport closes once the answer is written
+
+
+def header_deadlines(server: web.Server, timeout: float, metrics: GatewayMetrics | None = None) -> None:
+    """Make a set-up runner's server's connection handlers HeaderDeadline ones, with `timeout`
+    (the same swap of classes as gateway_errors.json_connection_errors, made after it)."""
+    slots = {n for c in web.RequestHandler.__mro__ for n in getattr(c, "__slots__", ())}
+    if not ({"_waiter", "_messages", "_loop", "_keepalive_handle"} <= slots
+            and callable(getattr(web.RequestHandler, "_process_keepalive", None))):
+        # another aiohttp than the one this was written against (3.14): serve without the deadline
+        # rather than break every connection (pyproject keeps aiohttp below 3.15 meanwhile)
+        log.warning("this aiohttp's connection handler is not the one --header-timeout hooks: "
+                    "request headers have no deadline (only --keepalive-timeout)")
+        return
+    classes: dict[type, type] = {}
+    deadlines: dict[web.RequestHandler, tuple[asyncio.TimerHandle, bool]] = {}
+
+    class HeaderDeadlineServer(type(server)):  # type: ignore[misc, valid-type]
+        def __call__(self) -> web.RequestHandler:
+            handler = super().__call__()
+            base = type(handler)
+            if base not in classes:
+                classes[base] = type(f"HeaderDeadline{base.__name__}", (HeaderDeadline, base),
+                                     {"__slots__": (), "header_timeout": timeout, "deadlines": deadlines,
+                                      "metrics": metrics})
+            handler.__class__ = classes[base]
+            return handler
+
+    server.__class__ = HeaderDeadlineServer
 
 
 class Gateway:
@@ -139,13 +257,15 @@ class Gateway:
     def __init__(self, endpoint: str, cfg: DaemonConfig, *, api_key: str | None = None,
                  max_body_bytes: int = 1 << 20, default_max_tokens: int = 512,
                  sampling: str = "apply", model_name: str | None = None,
-                 default_sampling: dict[str, Any] | None = None, body_timeout: float = BODY_TIMEOUT_S):
+                 default_sampling: dict[str, Any] | None = None, body_timeout: float = BODY_TIMEOUT_S,
+                 header_timeout: float = HEADER_TIMEOUT_S, keepalive_timeout: float = KEEPALIVE_TIMEOUT_S):
         self.client = AsyncDFlashClient(endpoint, config=cfg, timeout=30.0)
         self.control = AsyncDFlashClient(endpoint, config=cfg, timeout=2.0, retry_interval=1.0)
         self.endpoint, self.run_dir = endpoint, cfg.runtime_path()  # where the daemon's supervisor says how it is
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
+        self.header_timeout, self.keepalive_timeout = header_timeout, keepalive_timeout
         self.default_max_tokens = default_max_tokens
         # "apply": sampling applied, unapplied fields (none today) ignored and listed in a header;
         # "reject": those are a 400 instead; "greedy": every answer greedy, sampling fields listed.
@@ -662,6 +782,13 @@ def _daemon_options(f: Any) -> Any:
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(1024), help="Request body cap.")
 @click.option("--body-timeout", default=BODY_TIMEOUT_S, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Seconds a request body may take to arrive; a client that stalls is answered 408.")
+@click.option("--header-timeout", default=HEADER_TIMEOUT_S, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
+              help="Seconds a request's headers may take to arrive (from the connection, or from the first byte "
+                   "of a kept-alive connection's next request); then the connection is closed (408 if some came).")
+@click.option("--keepalive-timeout", default=KEEPALIVE_TIMEOUT_S, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
+              help="Seconds a kept-alive connection may stay idle between requests before it is closed.")
 @click.option("--default-max-tokens", default=512, show_default=True, type=click.IntRange(1), help="When a request sets none.")
 @click.option("--sampling", type=click.Choice(["apply", "reject", "greedy"]), default="apply", show_default=True,
               help="apply: sampling (temperature/top_p/top_k/min_p/min_tokens_to_keep/seed) and logits processors "
@@ -684,7 +811,7 @@ def _daemon_options(f: Any) -> Any:
               help="Seconds to wait for a started daemon's model.")
 @click.pass_context
 def serve_command(ctx, config_path, host, port, api_key, served_model_name, max_body_bytes, body_timeout,
-                  default_max_tokens,
+                  header_timeout, keepalive_timeout, default_max_tokens,
                   sampling, default_temperature, default_top_p, default_top_k, default_min_p,
                   default_min_tokens_to_keep, attach, stop_daemon, wait_s, **flags):
     """OpenAI-compatible HTTP API over dflashd (starts the daemon, or attaches to a running one)."""
@@ -716,7 +843,7 @@ def serve_command(ctx, config_path, host, port, api_key, served_model_name, max_
     logging.basicConfig(level=os.environ.get("DFLASH_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(message)s")
     gw = Gateway(cfg.resolved_endpoint(), cfg, api_key=api_key, max_body_bytes=max_body_bytes,
                  default_max_tokens=default_max_tokens, sampling=sampling, model_name=served_model_name,
-                 body_timeout=body_timeout,
+                 body_timeout=body_timeout, header_timeout=header_timeout, keepalive_timeout=keepalive_timeout,
                  default_sampling={"temperature": default_temperature, "top_p": default_top_p, "top_k": default_top_k,
                                    "min_p": default_min_p, "min_tokens_to_keep": default_min_tokens_to_keep})
 

@@ -7,10 +7,12 @@ its fix. No mocks."""
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import socket
 import time
 from pathlib import Path
+from typing import Iterable
 
 import pytest
 from daemon_fixtures import tiny_pair  # noqa: F401
@@ -74,6 +76,26 @@ def _send(port: int, data: bytes, timeout: float = 30) -> tuple[int, dict, bytes
 def _post(port: int, path: str, body: dict | bytes, *headers: str) -> tuple[int, dict, bytes]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     return _send(port, _head(path, *headers, "Connection: close", length=len(data)) + data)
+
+
+def _trickle(s: socket.socket, pieces: Iterable[bytes], within: float) -> None:
+    """Send `pieces` 0.2 s apart until the server answers (a byte to read), stops taking them, or
+    `within` seconds pass; the socket is left non-blocking (a settimeout makes it blocking again)."""
+    started = time.monotonic()
+    s.setblocking(False)
+    for piece in pieces:
+        if time.monotonic() - started > within:
+            return
+        try:
+            s.send(piece)
+        except OSError:
+            return
+        time.sleep(0.2)
+        try:
+            if s.recv(1, socket.MSG_PEEK):
+                return
+        except BlockingIOError:
+            pass
 
 
 # ----------------------------------------------------------------------------- 1: types of ignored fields
@@ -207,19 +229,7 @@ def test_a_trickled_body_is_a_408_too(slow):
     with socket.create_connection(("127.0.0.1", slow.port), timeout=15) as s:
         s.sendall(_head(COMPLETIONS, length=100))
         started = time.monotonic()
-        s.setblocking(False)
-        got = b""
-        while time.monotonic() - started < BODY_TIMEOUT + 3 and not got:
-            try:
-                s.send(b" ")
-            except OSError:
-                break
-            time.sleep(0.2)
-            try:
-                got = s.recv(1, socket.MSG_PEEK)
-            except BlockingIOError:
-                pass
-        s.setblocking(True)
+        _trickle(s, itertools.repeat(b" "), BODY_TIMEOUT + 3)
         s.settimeout(15)
         _timed_out(s, started)
 
