@@ -587,7 +587,7 @@ def _lock(directory: Path):
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         f.close()
-        _exit(3, f"another cache process holds {directory}")  # like the worker: a supervisor does not retry this
+        _exit(3, f"another cache process holds {directory}")  # the supervisor retries it (backoff) until it is free
     return f  # kept open for the life of the process; the kernel drops it on any exit
 
 

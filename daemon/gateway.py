@@ -189,7 +189,9 @@ class HeaderDeadline(web.RequestHandler):
         super().data_received(data)
         if len(self._messages) > queued:  # a request's headers are complete (or refused: a 400)
             self._disarm()
-        elif idle and data and self._idle():  # part of the next request's headers
+        elif idle and data.strip(b"\r\n") and self._idle():  # part of the next request's headers
+            # (empty lines between requests are ignored, RFC 9112 2.2: some clients send a CRLF
+            # after a body, which armed the deadline and drew a 408 nobody asked for)
             entry = self.deadlines.get(self)
             if entry is None:
                 self._arm(True)
@@ -235,17 +237,23 @@ def header_deadlines(server: web.Server, timeout: float, metrics: GatewayMetrics
                     "request headers have no deadline (only --keepalive-timeout)")
         return
     classes: dict[type, type] = {}
+    failed: set[type] = set()
     deadlines: dict[web.RequestHandler, tuple[asyncio.TimerHandle, bool]] = {}
 
     class HeaderDeadlineServer(type(server)):  # type: ignore[misc, valid-type]
         def __call__(self) -> web.RequestHandler:
             handler = super().__call__()
             base = type(handler)
-            if base not in classes:
-                classes[base] = type(f"HeaderDeadline{base.__name__}", (HeaderDeadline, base),
-                                     {"__slots__": (), "header_timeout": timeout, "deadlines": deadlines,
-                                      "metrics": metrics})
-            handler.__class__ = classes[base]
+            try:
+                if base not in classes:
+                    classes[base] = type(f"HeaderDeadline{base.__name__}", (HeaderDeadline, base),
+                                         {"__slots__": (), "header_timeout": timeout, "deadlines": deadlines,
+                                          "metrics": metrics})
+                handler.__class__ = classes[base]
+            except TypeError as e:  # a handler class of another layout: served without the deadline
+                if base not in failed:
+                    failed.add(base)
+                    log.warning("cannot give %s connections a header deadline (%s)", base.__name__, e)
             return handler
 
     server.__class__ = HeaderDeadlineServer

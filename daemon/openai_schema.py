@@ -47,15 +47,15 @@ _JSON_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
 # _check_unsupported), with the JSON type(s) OpenAI gives each: another type is a 400
 # invalid_type naming the field whatever the value ("echo": 0 and "tools": 0 were taken as their
 # neutral values), as OpenAI answers; null is absent, as everywhere. `logprobs` is a boolean in a
-# chat and an integer (the count of top tokens) in a completion (_COMPLETION_TYPES).
+# chat and an integer (the count of top tokens) in a completion: either is taken on both, as
+# clients that send `false` to both endpoints were served before (its neutral values false and 0).
 _IGNORED_TYPES: dict[str, tuple[str, ...]] = {
     "user": ("string",), "metadata": ("object",), "store": ("boolean",), "service_tier": ("string",),
     "parallel_tool_calls": ("boolean",), "tool_choice": ("string", "object"), "top_logprobs": ("integer",),
-    "logprobs": ("boolean",), "n": ("integer",), "tools": ("array",), "response_format": ("object",),
+    "logprobs": ("boolean", "integer"), "n": ("integer",), "tools": ("array",), "response_format": ("object",),
     "echo": ("boolean",), "best_of": ("integer",), "suffix": ("string",), "functions": ("array",),
     "function_call": ("string", "object"),
 }
-_COMPLETION_TYPES = {**_IGNORED_TYPES, "logprobs": ("integer",)}
 _IGNORED = set(_IGNORED_TYPES)
 WIRE_INT_MAX = (1 << 64) - 1  # the largest integer the daemon's wire (msgpack) carries
 # dflash's own extra field (as top_k is vLLM's): the job's verify window, "auto", "full" or a token
@@ -216,7 +216,7 @@ def _common(body: dict, kind: str, prompt: Any, raw: bool) -> GenRequest:
     if body.get("max_tokens") is not None:
         req.max_tokens = _positive_int(body["max_tokens"], "max_tokens")
         req.max_tokens_param = "max_tokens"
-    _check_types(body, _IGNORED_TYPES if kind == "chat" else _COMPLETION_TYPES)
+    _check_types(body, _IGNORED_TYPES)
     _check_unsupported(body)
     _sampling(body, req)
     req.processors = _processors(body)

@@ -45,7 +45,7 @@ from . import lifeline, paths
 from .config import DaemonConfig
 
 log = logging.getLogger("dflash.supervisor")
-FATAL_CODES = (2, 3)  # bad config, another worker (or supervisor) running
+FATAL_CODES = (2, 3)  # bad config, another worker (or supervisor) running (a Child's retry_codes excepted)
 STABLE_S = 60.0
 SETTLED_S = 5.0  # a child up this long got past its start-up checks: its predecessor's reason is stale
 REASON_ENV = "DFLASH_EXIT_REASON_FILE"
@@ -131,7 +131,7 @@ class Supervisor:
             return
         uptime = time.monotonic() - child.started_at
         child.failures_in_row = 1 if uptime > STABLE_S else child.failures_in_row + 1
-        delay = min(self.cfg.restart_backoff_s * 2 ** (child.failures_in_row - 1), self.cfg.restart_backoff_max_s)
+        delay = restart_delay(self.cfg, child.failures_in_row)
         child.restarts += 1
         child.next_start = time.monotonic() + delay
         log.warning("%s died (rc %d) after %.1fs; restarting in %.1fs", child.name, rc, uptime, delay)
@@ -254,6 +254,15 @@ def _take_lock(path: Path, wait_s: float = 2.0):
             time.sleep(0.05)
 
 
+def restart_delay(cfg: DaemonConfig, failures_in_row: int) -> float:
+    """Seconds before a child's next start: restart_backoff_s doubled per failure in a row, up to
+    restart_backoff_max_s. The doublings are capped: a child that keeps failing fast (a cache
+    process waiting for its folder, a full disk) reached 2 ** 1024 after ~1,000 restarts, an
+    OverflowError that stopped the whole daemon."""
+    doublings = min(max(failures_in_row - 1, 0), 60)
+    return min(cfg.restart_backoff_s * 2 ** doublings, cfg.restart_backoff_max_s)
+
+
 def lock_held(path: Path) -> bool:
     """Whether some process holds `path` locked (the lock dies with its holder, unlike pid files)."""
     try:
@@ -346,9 +355,14 @@ def stop_orphans(cfg: DaemonConfig, grace_s: float = 20.0) -> list[str]:
     end = time.monotonic() + grace_s
     while any(lock_held(c.lock) for c, _ in found) and time.monotonic() < end:
         time.sleep(0.1)
-    for c, pid in found:
-        if lock_held(c.lock):
-            _signal(pid, signal.SIGKILL)
+    killed = [(c, pid) for c, pid in found if lock_held(c.lock)]
+    for _, pid in killed:
+        _signal(pid, signal.SIGKILL)
+    # a killed process lets go of its locks and sockets only as it dies: `dflashd start` checks
+    # them next (a socket or cache_dir still held would be refused as another daemon's)
+    end = time.monotonic() + 5.0
+    while any(lock_held(c.lock) for c, _ in killed) and time.monotonic() < end:
+        time.sleep(0.05)
     for name in (PID_FILE, STATE_FILE):
         (run_dir / name).unlink(missing_ok=True)
     return [f"{c.name} pid {pid}" for c, pid in found]

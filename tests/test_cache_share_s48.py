@@ -28,7 +28,8 @@ from test_l2 import blob, key
 
 from dflash.cache.client import CacheClient
 from dflash.client import DFlashClient
-from dflash.daemon.supervisor import lock_held
+from dflash.daemon.config import DaemonConfig
+from dflash.daemon.supervisor import lock_held, restart_delay
 
 
 @pytest.fixture
@@ -145,6 +146,7 @@ def test_second_daemon_on_a_running_cache_endpoint_is_refused(tiny_pair, two_dir
             probe.close()
         assert _l2(f"ipc://{a / 'run' / 'worker.sock'}") == "up"
         # the worker endpoint too: the first daemon's, given to a second through its own runtime_dir
+        # (refused before the new check: `dflashd start` finds a daemon answering there, exit 1)
         third = _dflashd("start", *_flags(b, tiny_pair), "--endpoint", f"ipc://{a / 'run' / 'worker.sock'}",
                          DFLASH_CACHE_DIR=str(tmp_path / "cache-b"))
         assert third.returncode != 0 and not lock_held(b / "run" / "supervisor.lock"), third.stderr
@@ -173,3 +175,12 @@ def test_cache_show_prints_missing_files(make_daemon, tmp_path):  # noqa: F811
                                        "show", "--json"], capture_output=True, text=True, timeout=60,
                                       cwd=ROOT).stdout)
     assert shown["l2_process"]["missing_files"] == 1
+
+
+def test_the_restart_backoff_holds_after_thousands_of_fast_failures():
+    """A cache process retried until its folder is free (or a full disk) fails fast for hours: the
+    backoff doubled without limit and raised OverflowError at the 1,025th restart in a row, which
+    stopped the supervisor and with it the healthy worker. It stays at restart_backoff_max_s."""
+    cfg = DaemonConfig(restart_backoff_s=0.5, restart_backoff_max_s=30.0)
+    assert [restart_delay(cfg, n) for n in (1, 2, 3)] == [0.5, 1.0, 2.0]
+    assert restart_delay(cfg, 1_025) == restart_delay(cfg, 100_000) == 30.0

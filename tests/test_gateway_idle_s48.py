@@ -129,6 +129,19 @@ def test_a_kept_alive_connections_next_headers_have_the_header_timeout(idle):
         _late_headers(s, started)
 
 
+
+def test_an_empty_line_between_requests_does_not_start_the_deadline(idle):
+    """Empty lines before a request are ignored (RFC 9112 2.2; some clients send a CRLF after a
+    body): one on a kept-alive connection drew a 408 nobody asked for after --header-timeout and
+    closed the connection; the next request on it is served."""
+    with _connect(idle) as s:
+        s.sendall(_request(idle.port))
+        _ok(s)
+        s.sendall(b"\r\n")
+        time.sleep(HEADER_TIMEOUT + 0.8)  # past the header deadline, within the keep-alive one
+        s.sendall(_request(idle.port))
+        _ok(s)
+
 def test_headers_that_arrive_in_pieces_in_time_are_served(idle):
     """Headers sent in pieces that end within the deadline, a body with Expect: 100-continue sent
     after a pause longer than the header timeout (the body has --body-timeout), and pipelined

@@ -27,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...daemon.protocol import finite_number
+from .memory import device_memory
 
 Log = Callable[[str], None]
 
@@ -290,11 +291,10 @@ def kv_bytes_per_token(model: Any) -> int:
 def kv_budget_bytes(share: float = 0.5) -> int:
     """Device memory a generation batch's KV cache may take: `share` of the GPU's memory less
     what is already in use (the model), 0 (no cap) where MLX reports no size (the CPU)."""
-    info = mx.device_info()
-    total = int(info.get("total_memory") or info.get("memory_size") or 0)
-    if not total:
+    found = device_memory(mx)
+    if found is None:
         return 0
-    return max(int(share * total) - mx.get_active_memory(), 0)
+    return max(int(share * found[0]) - mx.get_active_memory(), 0)
 
 
 def rows_that_fit(width: int, max_new_tokens: int, per_token: int, budget: int, want: int) -> int:

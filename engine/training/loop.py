@@ -279,7 +279,9 @@ def _step_shape(opts: TrainOptions, cfg: DraftConfig, target: TargetModel, model
     args = target.args
     # a dense target's MLP width (a mixture of experts runs narrower rows per token: not counted)
     moe = any(getattr(args, k, None) for k in _MOE_KEYS)
-    width = 0 if moe else int(getattr(args, "intermediate_size", None) or 0)
+    size = getattr(args, "intermediate_size", None) or 0
+    size = max(size) if isinstance(size, (list, tuple)) and size else size  # some give one per layer
+    width = 0 if moe or not isinstance(size, int) else size
     return StepShape(
         seqs=opts.seqs_per_batch, seq_len=seq_len, anchors=opts.anchors_per_seq,
         block_size=cfg.block_size, hidden=target.hidden_size, vocab=target.vocab_size,

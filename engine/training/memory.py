@@ -145,6 +145,19 @@ def _sysconf(name: str) -> int | None:
     return pages * size if pages > 0 and size > 0 else None
 
 
+def device_memory(mx: Any) -> tuple[int, str] | None:
+    """The device's total memory in bytes as MLX reports it, with the key it comes under (CUDA's
+    total_memory, Metal's memory_size); None where none is reported."""
+    try:
+        info = mx.device_info()
+    except Exception:  # an MLX without it
+        return None
+    for key in ("total_memory", "memory_size"):
+        if isinstance(info.get(key), int) and info[key] > 0:
+            return int(info[key]), key
+    return None
+
+
 def available_memory(mx: Any) -> tuple[int | None, str]:
     """(bytes the step may use, what they are), or (None, why not known): on a GPU the device's
     total memory (mx.device_info: Metal's memory_size, CUDA's total_memory); on the CPU the
@@ -160,13 +173,9 @@ def available_memory(mx: Any) -> tuple[int | None, str]:
             raise ValueError(f"{ENV}={env!r}: expected a number of GiB above 0, or off")
         return int(gib * GIB), ENV
     if mx.default_device() == mx.gpu:
-        try:
-            info = mx.device_info()
-        except Exception:  # an MLX without it
-            info = {}
-        for key in ("memory_size", "total_memory"):
-            if isinstance(info.get(key), int) and info[key] > 0:
-                return int(info[key]), f"the GPU's memory ({key})"
+        found = device_memory(mx)
+        if found is not None:
+            return found[0], f"the GPU's memory ({found[1]})"
         return None, "the GPU's memory is not reported"
     held = 0
     try:
