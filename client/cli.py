@@ -643,10 +643,11 @@ def cache_show(client: DFlashClient, as_json: bool = False):
         return
     lines = cache_lines(st.get("cache"))
     if (st.get("cache") or {}).get("enabled") and not st["cache"].get("l2_up"):
-        from dflash.daemon.supervisor import child_error
+        from dflash.daemon.supervisor import child_error, live_pid
 
         try:  # why, when the daemon's supervisor runs here (as `dflashd status` says it)
-            why = child_error(client._cfg.runtime_path(), client.endpoint, "cache")
+            run_dir = client._cfg.runtime_path()
+            why = child_error(run_dir, live_pid(run_dir), "cache", client.endpoint)
         except OSError:
             why = None
         if why:

@@ -240,27 +240,12 @@ def _supervisor_pid(cfg: DaemonConfig) -> int | None:
     return supervisor.live_pid(cfg.runtime_path())
 
 
-def _child_state(cfg: DaemonConfig, sup_pid: int | None, name: str) -> dict:
-    """The supervisor `sup_pid`'s entry for its child `name` in supervisor.json ({}: none, or
-    the file is a dead predecessor's)."""
-    state = supervisor.read_state(cfg.runtime_path())
-    child = state.get("children", {}).get(name) if sup_pid and state.get("supervisor_pid") == sup_pid else None
-    return child if isinstance(child, dict) else {}
-
-
 def _worker_restarts(cfg: DaemonConfig, sup_pid: int) -> int:
     """Worker restarts so far under the supervisor `sup_pid` (not under a dead predecessor)."""
     try:
-        return int(_child_state(cfg, sup_pid, "worker").get("restarts", 0))
+        return int(supervisor.child_state(cfg.runtime_path(), sup_pid, "worker").get("restarts", 0))
     except (TypeError, ValueError):
         return 0
-
-
-def _child_error(cfg: DaemonConfig, sup_pid: int | None, name: str) -> str | None:
-    """The reason the supervisor `sup_pid`'s child `name` gave when it last exited (None: none,
-    or no such supervisor running)."""
-    error = _child_state(cfg, sup_pid, name).get("last_error")
-    return error if isinstance(error, str) and error else None
 
 
 def _cache_failure(cfg: DaemonConfig, sup_pid: int, wait_s: float = 2.0) -> str | None:
@@ -275,7 +260,7 @@ def _cache_failure(cfg: DaemonConfig, sup_pid: int, wait_s: float = 2.0) -> str 
     end = time.monotonic() + wait_s
     try:
         while True:
-            error = _child_error(cfg, sup_pid, "cache")
+            error = supervisor.child_error(cfg.runtime_path(), sup_pid, "cache")
             if error or probe.ping() or time.monotonic() >= end:
                 return error
             time.sleep(0.1)
@@ -463,7 +448,7 @@ def status(config_path, as_json, **flags):
     st = _stats(cfg, 2.0)
     sup = _supervisor_pid(cfg)
     l2_down = bool(st and (st.get("cache") or {}).get("enabled") and not st["cache"].get("l2_up"))
-    cache_error = _child_error(cfg, sup, "cache") if l2_down else None  # why the cache process stopped
+    cache_error = supervisor.child_error(cfg.runtime_path(), sup, "cache") if l2_down else None  # why the cache process stopped
     info = {"endpoint": cfg.resolved_endpoint(), "supervisor_pid": sup, "worker": st, "cache_error": cache_error}
     if as_json:
         click.echo(json.dumps(info, indent=2))

@@ -310,18 +310,24 @@ def read_state(run_dir: Path) -> dict:
         return {}
 
 
-def child_error(run_dir: Path, endpoint: str, name: str) -> str | None:
-    """The reason the child `name` of the live supervisor in `run_dir` serving `endpoint` gave when
-    it last exited (None: none, or no such supervisor here): what `dflash-client cache show`
-    adds to an "L2 DOWN" line when it runs on the daemon's machine."""
-    sup_pid = live_pid(run_dir)
+def child_state(run_dir: Path, sup_pid: int | None, name: str, endpoint: str | None = None) -> dict:
+    """The supervisor `sup_pid`'s entry for its child `name` in supervisor.json ({}: none, the
+    file is a dead predecessor's, or it serves another `endpoint` than the one given)."""
     state = read_state(run_dir)
     children = state.get("children") if isinstance(state.get("children"), dict) else {}
+    if not sup_pid or state.get("supervisor_pid") != sup_pid:
+        return {}
+    if endpoint is not None and state.get("endpoint") != endpoint:
+        return {}
     child = children.get(name)
-    if sup_pid is None or state.get("supervisor_pid") != sup_pid or state.get("endpoint") != endpoint \
-            or not isinstance(child, dict):
-        return None
-    error = child.get("last_error")
+    return child if isinstance(child, dict) else {}
+
+
+def child_error(run_dir: Path, sup_pid: int | None, name: str, endpoint: str | None = None) -> str | None:
+    """The reason the supervisor `sup_pid`'s child `name` gave when it last exited (None: none,
+    or no such supervisor running): what `dflashd status`, and `dflash-client cache show` on the
+    daemon's machine, add to an "L2 DOWN" line."""
+    error = child_state(run_dir, sup_pid, name, endpoint).get("last_error")
     return error if isinstance(error, str) and error else None
 
 
