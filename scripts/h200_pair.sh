@@ -24,7 +24,13 @@
 #   packdata            - the data cache (prompts + responses, JSONL) as xz parts of <= 15 MB into $OUT:
 #                         keep them here in .campaign-data/ (ignored) and stage them next session
 #                         (mlx-cuda-prepare.sh .campaign-data/*): `data`/`start` unpack them first,
-#                         so the responses are not generated again (~8 min of two GPUs)
+#                         so the responses are not generated again (~8 min of two GPUs). Over a
+#                         staged cache it brings only what changed: campaign-delta-<UTC time>.tar.xz.NN
+#                         (new files whole, a grown file's new bytes as NAME.from-SIZE); stage those
+#                         beside the base parts and `unpack` applies them in name order. Session 49
+#                         lost 20,000 fresh answers when the call ended 2 parts into a 300 MB full
+#                         pack whose new lines came last. PACKDATA_FULL=1: the whole cache as before
+#   unpack              - the staged base parts and deltas -> the data cache (what data/start do first)
 #   ptxpack / ptxrestore - MLX-CUDA's compiled kernels into $OUT (xz) / back from a staged copy
 #   bench [FLAGS]       - dflash benchmark of target + draft into $OUT (FLAGS added, e.g. --chat)
 #   ttft                - prefix-cache TTFT (cold / L1 / L2) on a 4K-token prompt into $OUT
@@ -34,7 +40,8 @@
 set -uo pipefail
 TARGET_DTYPE=${TARGET_DTYPE:-bfloat16}
 MODEL=/tmp/stage/files/smol-bf16; [ "$TARGET_DTYPE" = float32 ] && MODEL=/tmp/stage/files/smol-fp32
-TRAIN=/tmp/train_out
+TRAIN=${CAMPAIGN_TRAIN:-/tmp/train_out}  # CAMPAIGN_*: other folders (tests/test_campaign_delta_s49.py)
+STAGE=${CAMPAIGN_STAGE:-/tmp/stage/files}
 LOG=/tmp/train_stdout.log
 DRAFT=${DRAFT:-$TRAIN}  # bench/ttft: the draft just trained, or e.g. the bundled one staged as a file
 ns() {
@@ -54,19 +61,62 @@ failed() {  # did the background job logged in $1 stop on an error? A traceback,
   local rc; rc=$(sed -n 's/^TRAIN_DONE rc=//p' "$1" 2>/dev/null | tail -n 1)
   [ -n "$rc" ] && [ "$rc" != 0 ] && [ "$rc" != 130 ]
 }
-bg() {  # run the training script in its own session, detached from this call
+bg() {  # run the training script in its own session, detached from this call; the env it ran
+  # with is noted, so h200_session.sh reruns a failed phase only once that env has changed
+  md5sum .devq/env 2>/dev/null | cut -c1-8 > /tmp/job_env_sig
   setsid nohup bash -c "bash scripts/train_smollm2_h200.sh $MODEL $TRAIN $*; echo TRAIN_DONE rc=\$?" \
     > "$LOG" 2>&1 < /dev/null &
   sleep 5; tail -3 "$LOG"
 }
-unpack_data() {  # staged data parts (see packdata) -> $TRAIN/data, once
-  local parts=(/tmp/stage/files/campaign-data.tar.xz.*)
+data_sizes() {  # "data/FILE BYTES MD5" for each file of the cache: what a later packdata is a delta from
+  (cd "$TRAIN" && find data -type f ! -name .unpacked | sort | while read -r f; do
+    echo "$f $(stat -c %s "$f") $(md5sum < "$f" | cut -c1-32)"; done)
+}
+apply_delta() {  # one delta set ($1 = its parts' path less .tar.xz.NN) onto $TRAIN/data
+  local d=/tmp/delta_in.$$ f base from have
+  rm -rf "$d" && mkdir -p "$d" && cat "$1".tar.xz.* | xz -d | tar x -C "$d" || return 1
+  while read -r f; do
+    case "$f" in
+      *.from-*) base=${f%.from-*}; from=${f##*.from-}
+        have=$(stat -c %s "$TRAIN/$base" 2>/dev/null || echo none)
+        if [ "$have" != "$from" ]; then
+          echo "unpack: $(basename "$1") continues $base from byte $from, but the staged file has $have"; return 1
+        fi
+        cat "$d/$f" >> "$TRAIN/$base" ;;
+      *) cp "$d/$f" "$TRAIN/$f" ;;
+    esac
+  done < <(cd "$d" && find data -type f | sort)
+  rm -rf "$d"; echo "unpack: applied $(basename "$1")"
+}
+unpack_data() {  # staged data parts (see packdata) -> $TRAIN/data, once, then the staged deltas in name order
+  local parts=("$STAGE"/campaign-data.tar.xz.*) set
   [ -e "${parts[0]}" ] && [ ! -f "$TRAIN/data/.unpacked" ] || return 0
-  mkdir -p "$TRAIN" && cat "${parts[@]}" | xz -d -T0 | tar x -C "$TRAIN" && touch "$TRAIN/data/.unpacked"
+  mkdir -p "$TRAIN" && cat "${parts[@]}" | xz -d -T0 | tar x -C "$TRAIN" || return 1
+  for set in $(ls "$STAGE"/campaign-delta-*.tar.xz.* 2>/dev/null | sed 's/\.tar\.xz\.[0-9]*$//' | sort -u); do
+    apply_delta "$set" || return 1
+  done
+  data_sizes > "$TRAIN/data/.unpacked.tmp" && mv "$TRAIN/data/.unpacked.tmp" "$TRAIN/data/.unpacked"
   ls "$TRAIN/data"
+}
+pack_delta() {  # what changed since unpack_data (its .unpacked list) as a delta set into $OUT
+  local d=/tmp/delta_out.$$ f size sum old osize osum
+  rm -rf "$d" && mkdir -p "$d/data"
+  while read -r f size sum; do
+    old=$(awk -v f="$f" '$1 == f {print $2, $3}' "$TRAIN/data/.unpacked"); osize=${old% *}; osum=${old#* }
+    if [ -z "$old" ]; then cp "$TRAIN/$f" "$d/$f"                         # a new file: whole
+    elif [ "$size" = "$osize" ] && [ "$sum" = "$osum" ]; then continue      # unchanged
+    elif [ "$size" -gt "$osize" ] && [ "$(head -c "$osize" "$TRAIN/$f" | md5sum | cut -c1-32)" = "$osum" ]; then
+      tail -c +$((osize + 1)) "$TRAIN/$f" > "$d/$f.from-$osize"            # appended to: the new bytes
+    else cp "$TRAIN/$f" "$d/$f"; fi                                       # rewritten: whole
+  done < <(data_sizes)
+  if [ -z "$(ls -A "$d/data")" ]; then echo "packdata: nothing changed since the staged cache"; rm -rf "$d"; return 0; fi
+  (cd "$d" && tar cf - data) | xz -T"${XZ_THREADS:-0}" -6 \
+    | split -d -a 2 -b 15000000 - "$OUT/campaign-delta-$(date -u +%Y%m%dT%H%M%S).tar.xz."
+  (cd "$d" && find data -type f -printf '%p %s\n'); rm -rf "$d"
 }
 case "$1" in
   failed) failed "${2:-$LOG}" ;;
+  unpack) unpack_data ;;
   data)
     model; ns; unpack_data
     if [ -n "${2:-}" ] && [ "$2" != "-" ] && [ ! -f "$TRAIN/data/derived_prompts.jsonl" ]; then
@@ -151,10 +201,11 @@ case "$1" in
        /tmp/snap/trainer.json "$OUT"/ && echo "$step" > /tmp/snap_step
     echo "snap: checkpoint at step $step in \$OUT ($(ls "$OUT" | wc -l) files)" ;;
   packdata)  # XZ_THREADS: fewer while a training runs beside it (default all cores)
+    if [ -s "$TRAIN/data/.unpacked" ] && [ "${PACKDATA_FULL:-0}" != 1 ]; then pack_delta; ls -la "$OUT"; exit 0; fi
     (cd "$TRAIN" && tar cf - --exclude=.unpacked data) | xz -T"${XZ_THREADS:-0}" -6 | split -d -a 2 -b 15000000 - "$OUT/campaign-data.tar.xz."
     ls -la "$OUT" ;;
   ptxrestore)  # the CUDA kernels an earlier session compiled (see ptxpack), staged as a file, once
-    f=/tmp/stage/files/mlx-ptx-cache.tar.xz
+    f=$STAGE/mlx-ptx-cache.tar.xz
     { [ -f "$f" ] && [ ! -f /tmp/.ptx_restored ]; } || exit 0
     tar xJf "$f" -C "${TMPDIR:-/tmp}" && touch /tmp/.ptx_restored \
       && echo "ptx cache: $(find "${TMPDIR:-/tmp}/mlx" -type f | wc -l) compiled kernels restored" ;;

@@ -80,15 +80,17 @@ train_done() {  # the campaign's run, or both arms of an A/B
 # a background job that stopped on an error (session 34: the data phase ran an H100 out of
 # memory, wrote TRAIN_DONE, and the next call went on to the train phase, which regenerated the
 # same data and failed the same way): stop here, and rerun the phase that failed only once
-# .devq/env has changed (say, a smaller --gen-batch-size in TRAIN_FLAGS)
+# .devq/env differs from the env the job ran with (h200_pair.sh's bg notes it in /tmp/job_env_sig;
+# session 49 changed the env after a failure and still had to change it a second time, because
+# the signature was taken at the first call that saw the failure, with the changed env)
 if [ -z "$AB" ] && done_bg && bash scripts/h200_pair.sh failed "$LOG"; then
   sig=$(md5sum .devq/env 2>/dev/null | cut -c1-8)
-  if [ ! -f /tmp/failed_sig ]; then cp "$LOG" "/tmp/failed_$(date +%s).log"; echo "$sig" > /tmp/failed_sig; fi
-  if [ "$(cat /tmp/failed_sig)" = "$sig" ]; then
+  if [ "$(cat /tmp/job_env_sig 2>/dev/null)" = "$sig" ]; then
+    [ -f /tmp/failed_kept ] || { cp "$LOG" "/tmp/failed_$(date +%s).log"; touch /tmp/failed_kept; }
     echo "== FAILED: the background job stopped on an error; change .devq/env and call again to rerun its phase"
     grep -v '^ ' "$LOG" | tail -n 6; exit 3
   fi
-  rm -f /tmp/failed_sig
+  rm -f /tmp/failed_kept
   if [ -f /tmp/ph_train ]; then rm -f /tmp/ph_train; else rm -f /tmp/ph_data; fi
   echo TRAIN_DONE > "$LOG"; echo "== .devq/env changed: the phase that failed runs again"
 fi

@@ -11,4 +11,6 @@ mkdir -p $H/.device/$N $H/.devq && cp .device/$N/activate.sh $H/.device/$N/
 D=benchmark/training/campaign
 # env and final.sh from the carried tree (settings, changeable without staging again); the code from HEAD
 cp ${DEVQ:-$D/session44/devq}/env $D/session44/devq/final.sh $H/.devq/ && cp $H/$D/session26/devq/common.sh $H/.devq/
+# a DEVQ folder's own job.sh (the session's GPU work before the data phase, once) and final.sh
+for f in job.sh final.sh; do [ -f "${DEVQ:-$D/session44/devq}/$f" ] && cp "${DEVQ:-$D/session44/devq}/$f" $H/.devq/; done
 cd $H && OUT=$OUT bash $D/session40/devq/loop.sh
