@@ -55,7 +55,7 @@ import diskcache
 import msgpack
 import zmq
 
-from dflash.daemon.paths import private_dir
+from dflash.daemon.paths import ipc_path, private_dir, secure_ipc_socket
 from dflash.daemon.supervisor import write_exit_reason
 
 from . import repair, snapshot
@@ -616,8 +616,8 @@ def run(directory: str | Path, endpoint: str, size_limit: int = DEFAULT_SIZE_LIM
             _exit(1, f"cannot open the cache directory {directory} now: {_reason(e)}; exiting to be restarted")
         # another user's, under a file, read-only...: restarting won't help
         _exit(2, f"cannot use {directory} as the cache directory: {_reason(e)}")
-    if endpoint.startswith("ipc://"):
-        Path(endpoint[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True)
+    if (sock := ipc_path(endpoint)) is not None:  # an abstract ipc://@name has no file, no folder
+        sock.parent.mkdir(parents=True, exist_ok=True)
     try:
         store = Store(directory, size_limit)
     except (OSError, sqlite3.Error) as e:  # damage is repaired inside; this is a full disk, I/O...
@@ -627,8 +627,7 @@ def run(directory: str | Path, endpoint: str, size_limit: int = DEFAULT_SIZE_LIM
         _exit(1, f"cannot open the L2 store in {directory} now ({why}; a full disk?): exiting to be "
                  "restarted; the worker serves from memory (L1) meanwhile")
     server = Server(store, endpoint)
-    if endpoint.startswith("ipc://"):
-        os.chmod(endpoint[len("ipc://"):], 0o600)  # its directory is the 0700 runtime dir
+    secure_ipc_socket(endpoint)  # its directory is the 0700 runtime dir
 
     def stop(*_: Any) -> None:  # handlers only set state; the loop notices within 200 ms
         server.running = False

@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import IO, Any, Callable, NoReturn
 
 import click
 
@@ -132,46 +132,65 @@ def _refuse_endpoints(cfg: DaemonConfig, problem_of: Callable[[str], str | None]
 
 def _check_ports(cfg: DaemonConfig) -> None:
     """Refuse (exit 2) a tcp:// endpoint the worker or the cache could not bind, an ipc://
-    socket another process serves, and a cache_dir another daemon uses. Run after the orphans a
-    dead supervisor left are stopped: a port, socket or folder one of them held is ours to take."""
+    socket another process serves, and a cache_dir a cache process of no daemon uses (another
+    daemon's supervisor is refused at _claim_cache_dir). Run after the orphans a dead supervisor
+    left are stopped: a port, socket or folder one of them held is ours to take."""
     _refuse_endpoints(cfg, tcp_problem)
     _refuse_endpoints(cfg, ipc_in_use)
-    if cfg.cache and (problem := cache_dir_problem(cfg.cache_path())) is not None:
-        raise BadConfig(problem)
+    if cfg.cache and supervisor.lock_held(cfg.cache_path() / "l2.lock"):
+        raise BadConfig(cache_dir_problem(cfg.cache_path(), "another cache process"))
+
+
+def _claim_cache_dir(cfg: DaemonConfig) -> IO[str] | None:
+    """Claim the cache_dir for the daemon this start starts (supervisor.claim_cache_dir), before
+    the checks: of two starts at the same instant, the second is refused here (exit 2, naming
+    the first) having touched nothing of the first's; both used to pass the checks. None: cache
+    off, or a folder that cannot be made (the cache process says why; the daemon serves L1)."""
+    if not cfg.cache:
+        return None
+    try:
+        claim = supervisor.claim_cache_dir(cfg)
+    except OSError:
+        return None
+    if claim is None:
+        owner = supervisor.cache_dir_owner(cfg.cache_path()) or {}
+        if owner.get("runtime_dir") == str(cfg.runtime_path()):  # this daemon, started twice at once
+            lock = cfg.cache_path() / supervisor.CACHE_OWNER
+            raise click.ClickException(f"dflashd is already running or starting at {cfg.resolved_endpoint()} "
+                                       f"(pid {owner.get('supervisor_pid')} holds {lock})")
+        who = (f"the daemon at {owner['endpoint']} (runtime_dir {owner.get('runtime_dir')})"
+               if isinstance(owner.get("endpoint"), str) else "another daemon")
+        raise BadConfig(cache_dir_problem(cfg.cache_path(), who))
+    return claim
 
 
 def ipc_in_use(endpoint: str) -> str | None:
     """Why this ipc:// endpoint must not be bound (None: nothing serves it, or it is not ipc://):
     a process accepts connections on its socket. ZeroMQ binds an ipc:// path by removing what is
     there, so a second daemon given another's endpoint or cache_endpoint took that socket from it
-    without an error: the other daemon's clients (or worker) then reached this one."""
+    without an error: the other daemon's clients (or worker) then reached this one. A Linux
+    abstract `ipc://@name` (no file) is probed the same way, at its address "\\0name"."""
     import socket
 
-    path = paths.ipc_path(endpoint)
-    if path is None or not path.exists():
+    abstract, path = paths.ipc_abstract(endpoint), paths.ipc_path(endpoint)
+    if abstract is None and (path is None or not path.exists()):
         return None
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(1.0)
     try:
-        probe.connect(os.fsencode(path))
-    except OSError:  # a socket file nothing listens on any more (a stopped daemon's), or no socket
+        probe.connect(abstract or os.fsencode(path))
+    except OSError:  # nothing listens on it (any more: a stopped daemon's socket file), or no socket
         return None
     finally:
         probe.close()
+    if abstract is not None:  # no file to replace: zmq's bind fails, and the worker kept crashing
+        return "another process (another daemon?) serves that socket; binding it again fails (address in use)"
     return "another process (another daemon?) serves that socket; binding it would take it from that process"
 
 
-def cache_dir_problem(cache_dir: Path) -> str | None:
-    """Why this daemon cannot have `cache_dir` (None: no other process uses it): one cache process
-    per folder, so a second daemon's would only wait (serving from L1) for the first to stop."""
-    owner = supervisor.cache_dir_owner(cache_dir)
-    if owner is not None:
-        who = (f"the daemon at {owner['endpoint']} (runtime_dir {owner.get('runtime_dir')})"
-               if isinstance(owner.get("endpoint"), str) else "another daemon")
-    elif supervisor.lock_held(cache_dir / "l2.lock"):
-        who = "another cache process"
-    else:
-        return None
+def cache_dir_problem(cache_dir: Path, who: str) -> str:
+    """Why this daemon cannot have `cache_dir`, which `who` uses: one cache process per folder,
+    so a second daemon's would only wait (serving from L1) for the first to stop."""
     return (f"cache_dir {cache_dir} is in use by {who}: two daemons cannot share one cache folder; "
             "set cache_dir (or DFLASH_CACHE_DIR) to another folder, or stop that daemon")
 
@@ -308,20 +327,25 @@ def start(config_path, foreground, wait_s, **flags):
     if _supervisor_pid(cfg) or _stats(cfg, 0.5):
         raise click.ClickException(f"dflashd is already running at {cfg.resolved_endpoint()}")
     _check_places(cfg)
+    claim = _claim_cache_dir(cfg)  # held from here on by this process, then by the supervisor
     orphans = _stop_orphans(cfg)  # they would hold the locks the new children need
     if orphans:
         click.echo("stopped what a dead supervisor left running: " + ", ".join(orphans), err=True)
     _check_ports(cfg)
     paths.private_umask()  # the log file and dirs made here, and the supervisor it starts
     if foreground:
-        _run_foreground(cfg)
+        _run_foreground(cfg, claim)
     log_dir = paths.private_dir(cfg.log_path())
     log = open(log_dir / "dflashd.log", "ab")
     os.fchmod(log.fileno(), 0o600)  # one an older version made 0644
+    handover = ["--cache-owner-fd", str(claim.fileno())] if claim is not None else []
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash.daemon.supervisor", "--config-json", cfg.to_json()],
+        [sys.executable, "-m", "dflash.daemon.supervisor", "--config-json", cfg.to_json(), *handover],
         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        pass_fds=[claim.fileno()] if claim is not None else [],
     )
+    if claim is not None:
+        claim.close()  # the supervisor holds it now: the claim ends with the supervisor, not this command
     try:
         st = _wait_ready(proc, cfg, wait_s, log_dir / "dflashd.log")
         cache_error = _cache_failure(cfg, proc.pid)
@@ -336,11 +360,11 @@ def start(config_path, foreground, wait_s, **flags):
         click.echo(f"warning: the cache process (L2) stopped: {cache_error}; serving from L1 only", err=True)
 
 
-def _run_foreground(cfg: DaemonConfig) -> NoReturn:
+def _run_foreground(cfg: DaemonConfig, claim: IO[str] | None) -> NoReturn:
     """Run the supervisor attached (systemd, launchd) and exit with its code. A model that fails to
     load ends it with 2 and the reason (exit_on_load_failure), so the service manager shows a
-    failure instead of a daemon idling in the "failed" state."""
-    rc, reason = supervisor.run_attached(dataclasses.replace(cfg, exit_on_load_failure=True))
+    failure instead of a daemon idling in the "failed" state. `claim`: the cache_dir's, kept."""
+    rc, reason = supervisor.run_attached(dataclasses.replace(cfg, exit_on_load_failure=True), claim)
     if rc and reason:
         click.echo(f"dflashd: {reason}", err=True)
     sys.exit(rc)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 from pathlib import Path
 
 
@@ -58,8 +59,19 @@ def private_dir(path: str | Path) -> Path:
 
 
 def ipc_path(endpoint: str) -> Path | None:
-    """The socket file of an ipc:// endpoint, or None for other transports."""
-    return Path(endpoint[len("ipc://") :]) if endpoint.startswith("ipc://") else None
+    """The socket file of an ipc:// endpoint, or None for other transports and for an abstract
+    `ipc://@name` (no file: "@name" was read as a file in the working directory)."""
+    if not endpoint.startswith("ipc://") or ipc_abstract(endpoint) is not None:
+        return None
+    return Path(endpoint[len("ipc://") :])
+
+
+def ipc_abstract(endpoint: str) -> bytes | None:
+    """The socket address of a Linux abstract-namespace endpoint `ipc://@name` ("\\0name", as
+    ZeroMQ binds it), or None for any other endpoint (elsewhere ZeroMQ makes a file "@name")."""
+    if not endpoint.startswith("ipc://@") or not sys.platform.startswith("linux"):
+        return None
+    return b"\0" + os.fsencode(endpoint[len("ipc://@") :])
 
 
 def secure_ipc_socket(endpoint: str) -> None:

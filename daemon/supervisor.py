@@ -10,7 +10,9 @@ backoff (up to restart_backoff_max_s), so it takes the folder over once the othe
 until then its reason, with "retrying", is what `dflashd status` shows.
 While it runs with `cache` on, the supervisor also holds `dflashd.lock` in the cache_dir, which
 names its endpoint and runtime_dir (`cache_dir_owner`): a second daemon given the same cache_dir
-is refused at `dflashd start` with that name instead of serving without its L2.
+is refused at `dflashd start` with that name instead of serving without its L2. `dflashd start`
+takes that lock itself before its checks and hands it over (`--cache-owner-fd`), so of two
+daemons started at the same instant only one can pass them (`claim_cache_dir`).
 A child that exits on an error it can name (a bad config, an unusable cache_dir, a model that
 failed to load under `exit_on_load_failure`) logs it and writes it, one line, to the file named
 in $DFLASH_EXIT_REASON_FILE (`<runtime dir>/<child>.exit-reason`, `write_exit_reason`); the
@@ -40,6 +42,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from . import lifeline, paths
 from .config import DaemonConfig
@@ -82,8 +85,9 @@ def _children(cfg: DaemonConfig) -> list[Child]:
 
 
 class Supervisor:
-    def __init__(self, cfg: DaemonConfig):
+    def __init__(self, cfg: DaemonConfig, cache_claim: IO[str] | None = None):
         self.cfg = cfg
+        self.cache_claim = cache_claim  # dflashd.lock as `dflashd start` claimed it (None: claim it here)
         self.stop = threading.Event()
         self.children = _children(cfg)
         self.run_dir = paths.private_dir(cfg.runtime_path())
@@ -173,27 +177,15 @@ class Supervisor:
         worker = self.children[0]
         return worker.last_rc if worker.last_rc in FATAL_CODES else 0
 
-    def _own_cache_dir(self):
-        """Lock `dflashd.lock` in the cache_dir and write this daemon's name into it (None: cache
-        off, a folder that cannot be made (the cache process reports why), or another daemon's
-        supervisor holds it: its cache process is then the one that waits)."""
+    def _own_cache_dir(self) -> IO[str] | None:
+        """`dflashd.lock` in the cache_dir, held with this daemon's name in it (None: cache off, a
+        folder that cannot be made (the cache process reports why), or another daemon's supervisor
+        holds it: its cache process is then the one that waits)."""
         if not self.cfg.cache:
             return None
         try:
-            self.cfg.cache_path().mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.cfg.cache_path() / CACHE_OWNER, os.O_RDWR | os.O_CREAT, 0o600)
+            return claim_cache_dir(self.cfg, self.cache_claim)
         except OSError:
-            return None
-        f = os.fdopen(fd, "r+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            f.truncate(0)
-            f.write(json.dumps({"endpoint": self.cfg.resolved_endpoint(), "runtime_dir": str(self.run_dir),
-                                "supervisor_pid": os.getpid()}))
-            f.flush()
-            return f
-        except OSError:
-            f.close()
             return None
 
     def _stop_children(self, grace_s: float = 20.0) -> None:
@@ -209,6 +201,34 @@ class Supervisor:
                 c.proc.kill()
                 c.proc.wait()
             c.last_rc = c.proc.returncode
+
+
+def claim_cache_dir(cfg: DaemonConfig, held: IO[str] | None = None, wait_s: float = 0.5) -> IO[str] | None:
+    """Lock `dflashd.lock` in the cache_dir (exclusive) and write this daemon's name into it: the
+    open file, to keep for the daemon's whole life (the kernel drops the lock when its last holder
+    dies: no stale claims), or None when another process holds it. `held` is a claim taken earlier
+    (by `dflashd start`, inherited): it is ours already and gets this process's pid. Retries for
+    `wait_s`: a `lock_held` probe (`dflashd status`, a start) holds it for an instant. Raises
+    OSError for a folder or file that cannot be made."""
+    if held is None:
+        cfg.cache_path().mkdir(parents=True, exist_ok=True)
+        held = os.fdopen(os.open(cfg.cache_path() / CACHE_OWNER, os.O_RDWR | os.O_CREAT, 0o600), "r+")
+    end = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a no-op on an inherited claim
+            break
+        except OSError:
+            if time.monotonic() >= end:
+                held.close()  # nothing written: the holder's name stays as it wrote it
+                return None
+            time.sleep(0.05)
+    held.seek(0)
+    held.truncate(0)
+    held.write(json.dumps({"endpoint": cfg.resolved_endpoint(), "runtime_dir": str(cfg.runtime_path()),
+                           "supervisor_pid": os.getpid()}))
+    held.flush()
+    return held
 
 
 def reason_path(run_dir: Path, name: str) -> Path:
@@ -394,12 +414,13 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def run_attached(cfg: DaemonConfig) -> tuple[int, str | None]:
+def run_attached(cfg: DaemonConfig, cache_claim: IO[str] | None = None) -> tuple[int, str | None]:
     """Run a supervisor in this process until it stops: its exit code and, when a fatal exit of
-    the worker ended it, the worker's reason (`dflashd start --foreground` prints it)."""
+    the worker ended it, the worker's reason (`dflashd start --foreground` prints it).
+    `cache_claim`: dflashd.lock as `dflashd start` claimed it (claim_cache_dir)."""
     paths.private_umask()  # its files, and (inherited) its children's
     logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor[%(process)d] %(levelname)s %(message)s")
-    sup = Supervisor(cfg)
+    sup = Supervisor(cfg, cache_claim)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: sup.stop.set())
     rc = sup.run()
@@ -409,8 +430,14 @@ def run_attached(cfg: DaemonConfig) -> tuple[int, str | None]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dflash.daemon.supervisor")
     ap.add_argument("--config-json", required=True)
+    ap.add_argument("--cache-owner-fd", type=int, default=None,
+                    help="an inherited fd of <cache_dir>/dflashd.lock, claimed by `dflashd start`")
     args = ap.parse_args(argv)
-    return run_attached(DaemonConfig.from_json(args.config_json))[0]
+    claim = None
+    if args.cache_owner_fd is not None:
+        os.set_inheritable(args.cache_owner_fd, False)  # the supervisor's alone, not its children's
+        claim = os.fdopen(args.cache_owner_fd, "r+")
+    return run_attached(DaemonConfig.from_json(args.config_json), claim)[0]
 
 
 if __name__ == "__main__":

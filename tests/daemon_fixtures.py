@@ -118,6 +118,16 @@ def running(tiny_pair: tuple[str, str], **settings):
 
 
 @pytest.fixture
+def two_dirs():
+    """Two fresh folders for two daemons' runtime and state dirs (short paths under /tmp: an
+    ipc:// socket path must fit 107 bytes)."""
+    made = [Path(tempfile.mkdtemp(prefix="dft", dir="/tmp")) for _ in range(2)]
+    yield made
+    for d in made:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
 def make_daemon(tiny_pair):
     """Factory: make_daemon(**settings) -> started Daemon; all torn down after the test."""
     started: list[Daemon] = []

@@ -16,28 +16,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
-from daemon_fixtures import PROMPTS, ROOT, make_daemon, tiny_pair, wait_until  # noqa: F401
+from daemon_fixtures import PROMPTS, ROOT, make_daemon, tiny_pair, two_dirs, wait_until  # noqa: F401
 from test_l2 import blob, key
 
 from dflash.cache.client import CacheClient
 from dflash.client import DFlashClient
 from dflash.daemon.config import DaemonConfig
 from dflash.daemon.supervisor import lock_held, restart_delay
-
-
-@pytest.fixture
-def two_dirs():
-    made = [Path(tempfile.mkdtemp(prefix="dfh", dir="/tmp")) for _ in range(2)]  # short: ipc paths
-    yield made
-    for d in made:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def _dflashd(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
