@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import time
 import uuid
 from email.utils import formatdate
@@ -26,6 +27,7 @@ from typing import Any, Awaitable, Callable
 import click
 from aiohttp import compression_utils, hdrs, web
 from aiohttp.http import HttpVersion11
+from aiohttp.http_exceptions import HttpProcessingError
 
 from dflash.client import errors as E
 from dflash.client.aio import AsyncDFlashClient
@@ -35,7 +37,7 @@ from dflash.daemon import protocol as P
 from . import openai_schema as S
 from . import paths, supervisor
 from .config import DaemonConfig, is_loopback
-from .gateway_errors import http_exception_error, json_connection_errors, json_error
+from .gateway_errors import http_exception_error, json_connection_errors, json_error, mix_into_handlers
 from .gateway_metrics import GatewayMetrics
 
 log = logging.getLogger("dflash.gateway")
@@ -48,6 +50,7 @@ SHUTDOWN_GRACE_S = 1.0
 RESTART_WAIT_S = 30.0
 RESTART_POLL_S = 0.1  # how often supervisor.json is read meanwhile
 GONE_POLL_S = 0.5  # how often a generation waiting for its first event reads it (_first_event)
+GONE_PROBE_S = 0.2  # how often a half-closed connection's socket is read for the reset of a client gone (HalfClose)
 MODELS_TTL_S = 5.0  # how long a model check that succeeded stands (while the daemon has not stopped)
 # Seconds a request's body may take to arrive, from when its handler starts reading it (after the
 # headers, and after a 100 Continue): a client that stops sending it (or trickles it) is answered
@@ -135,13 +138,15 @@ def _shutting_down() -> S.ApiError:
 async def start_runner(gw: "Gateway", **kwargs: Any) -> web.AppRunner:
     """The gateway's app in a set-up aiohttp AppRunner (its sites not started yet), whose
     connections answer aiohttp's own errors in OpenAI's shape too, close when a request's headers
-    do not arrive within gw.header_timeout, and idle kept-alive for gw.keepalive_timeout at most."""
+    do not arrive within gw.header_timeout, idle kept-alive for gw.keepalive_timeout at most, and
+    answer the requests a client sent before it half-closed the connection."""
     kwargs.setdefault("keepalive_timeout", gw.keepalive_timeout)
     runner = web.AppRunner(gw.app(), **kwargs)
     await runner.setup()
     assert runner.server is not None
     json_connection_errors(runner.server, gw.metrics)
     header_deadlines(runner.server, gw.header_timeout, gw.metrics)
+    half_close_answers(runner.server)
     return runner
 
 
@@ -152,8 +157,9 @@ class HeaderDeadline(web.RequestHandler):
     is aiohttp's keep-alive timeout). A client that sent part of its headers is answered a 408
     request_timeout first; one that sent nothing is closed without a word, as an idle kept-alive
     connection is (a 408 it never asked for could pass for the answer to a request it sends at that
-    moment). Mixed into the server's handler class by `header_deadlines`, which sets the class
-    attributes; the timers live in `deadlines` (aiohttp's handlers have slots and no room for one)."""
+    moment). Mixed into the server's handler class by `header_deadlines`
+    (gateway_errors.mix_into_handlers), which sets the class attributes; the timers live in
+    `deadlines` (aiohttp's handlers have slots and no room for one)."""
 
     __slots__ = ()  # aiohttp's layout exactly: the server swaps the class of the handlers it makes
     header_timeout: float = HEADER_TIMEOUT_S
@@ -225,38 +231,112 @@ class HeaderDeadline(web.RequestHandler):
         self.force_close()  # the transport closes once the answer is written
 
 
-def header_deadlines(server: web.Server, timeout: float, metrics: GatewayMetrics | None = None) -> None:
+def header_deadlines(server: web.Server, timeout: float, metrics: GatewayMetrics | None = None) -> bool:
     """Make a set-up runner's server's connection handlers HeaderDeadline ones, with `timeout`
-    (the same swap of classes as gateway_errors.json_connection_errors, made after it)."""
-    slots = {n for c in web.RequestHandler.__mro__ for n in getattr(c, "__slots__", ())}
-    if not ({"_waiter", "_messages", "_loop", "_keepalive_handle"} <= slots
-            and callable(getattr(web.RequestHandler, "_process_keepalive", None))):
-        # another aiohttp than the one this was written against (3.14): serve without the deadline
-        # rather than break every connection (pyproject keeps aiohttp below 3.15 meanwhile)
-        log.warning("this aiohttp's connection handler is not the one --header-timeout hooks: "
-                    "request headers have no deadline (only --keepalive-timeout)")
-        return
-    classes: dict[type, type] = {}
-    failed: set[type] = set()
-    deadlines: dict[web.RequestHandler, tuple[asyncio.TimerHandle, bool]] = {}
+    (gateway_errors.mix_into_handlers); False, with a warning, where this aiohttp's handler is not
+    the one the hook reads: request headers then have no deadline."""
+    return mix_into_handlers(server, HeaderDeadline, {"header_timeout": timeout, "deadlines": {}, "metrics": metrics},
+                             "request headers have no deadline (only --keepalive-timeout)",
+                             needs=("_waiter", "_messages", "_loop", "_keepalive_handle", "_process_keepalive"))
 
-    class HeaderDeadlineServer(type(server)):  # type: ignore[misc, valid-type]
-        def __call__(self) -> web.RequestHandler:
-            handler = super().__call__()
-            base = type(handler)
+
+class BodyCut(web.RequestPayloadError):
+    """A request body that the client's half-close ended before it was whole (HalfClose): set on
+    the body's stream, so the read fails with it (answered 400 invalid_body)."""
+
+
+class HalfClose(web.RequestHandler):
+    """A connection handler that answers the requests a client sent before it shut down its
+    sending side (a FIN: `shutdown(SHUT_WR)`, a half-close, as some HTTP/1.1 clients and load
+    balancers do once their request is out), then closes the connection. aiohttp's handler lets
+    asyncio close the whole connection at the FIN, so such a request got no answer at all. A
+    request whose body the FIN cut short fails its body read at once (BodyCut: a 400, not a
+    --body-timeout 408 later); a connection with no request left to answer (it sent nothing, part
+    of a request's headers, or waits between kept-alive requests) is still closed at the FIN.
+    A client that closes its connection altogether (it gave up) sends the same FIN, and TCP tells
+    the two apart only once something is written to it: so at the FIN, where the request is HTTP/1.1
+    and its answer has not begun, the gateway writes an interim `100 Continue` (RFC 9110 15.2: a
+    client must take any number of 1xx before the final answer), which a closed socket answers with
+    a reset; the socket's error, read every GONE_PROBE_S, then aborts the connection and cancels the
+    handler (serve's handler_cancellation), and with it the job, as at a disconnect before. A client
+    that gives up later, or a request whose answer began (a stream: its next event finds it), or an
+    HTTP/1.0 one, is noticed when the answer is written. Mixed into the server's handler class by
+    `half_close_answers`; what it counts per connection lives in `books` (aiohttp's handlers have
+    slots and no room)."""
+
+    __slots__ = ()  # aiohttp's layout exactly: the server swaps the class of the handlers it makes
+    # handler -> [requests answered, the last request parsed (message, body), whether the FIN came]
+    books: dict[web.RequestHandler, list] = {}
+
+    def data_received(self, data: bytes) -> None:
+        queued = len(self._messages)
+        super().data_received(data)
+        if len(self._messages) > queued:  # requests parsed: the last one's body is the one still arriving
+            self.books.setdefault(self, [0, None, False])[1] = self._messages[-1]
+
+    def eof_received(self) -> bool | None:
+        book = self.books.get(self)
+        # requests parsed (aiohttp counts them) and not answered yet
+        if (self._upgraded or self._payload_parser is not None or book is None or book[1] is None
+                or self._request_count <= book[0]):
+            return None  # nothing asked and not answered: asyncio closes the connection, as before
+        book[2] = True
+        msg, body = book[1]
+        if not body.is_eof() and self._parser is not None:  # its parser is in that body
             try:
-                if base not in classes:
-                    classes[base] = type(f"HeaderDeadline{base.__name__}", (HeaderDeadline, base),
-                                         {"__slots__": (), "header_timeout": timeout, "deadlines": deadlines,
-                                          "metrics": metrics})
-                handler.__class__ = classes[base]
-            except TypeError as e:  # a handler class of another layout: served without the deadline
-                if base not in failed:
-                    failed.add(base)
-                    log.warning("cannot give %s connections a header deadline (%s)", base.__name__, e)
-            return handler
+                self._parser.feed_eof()  # ends the body where all of it is in, else says what is missing
+            except HttpProcessingError as e:
+                body.set_exception(BodyCut(f"the client closed its side of the connection before the request "
+                                           f"body ended: {str(e.message or e).strip()}"))
+        current = self._current_request  # None: the last request's handler has not started yet
+        if (not self._messages and getattr(msg, "version", None) == HttpVersion11 and self.transport is not None
+                and (current is None or current.writer.output_size == 0)):
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # a closed socket answers it with a reset
+            self._loop.call_later(GONE_PROBE_S, self._gone)
+        return True  # the connection stays open for the answers
 
-    server.__class__ = HeaderDeadlineServer
+    def _gone(self) -> None:
+        """Aborts the connection where the probe at the FIN was answered with a reset (the client
+        had closed it altogether); else looks again in GONE_PROBE_S, until the connection closes."""
+        if self.transport is None or self not in self.books:
+            return
+        sock = self.transport.get_extra_info("socket")
+        try:
+            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) if sock is not None else 0
+        except OSError as e:
+            err = e.errno or -1
+        if err:
+            log.debug("the client at %s left after its half-close (%s): cancelled", self.peername, os.strerror(err))
+            self.transport.abort()  # connection_lost: aiohttp cancels the handler
+        else:
+            self._loop.call_later(GONE_PROBE_S, self._gone)
+
+    async def finish_response(self, request: Any, resp: web.StreamResponse,
+                              start_time: float | None) -> tuple[web.StreamResponse, bool]:
+        book = self.books.setdefault(self, [0, None, False])
+        if book[2] and self._request_count == book[0] + 1 and not resp.prepared:
+            resp.force_close()  # the last request the client sent: say the connection closes after it
+        try:
+            return await super().finish_response(request, resp, start_time)
+        finally:
+            book[0] += 1
+            if book[2] and self._request_count == book[0]:
+                self.force_close()  # closes once the answer is written; aiohttp reads no rest of a body
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.books.pop(self, None)
+        super().connection_lost(exc)
+
+
+def half_close_answers(server: web.Server) -> bool:
+    """Make a set-up runner's server's connection handlers HalfClose ones
+    (gateway_errors.mix_into_handlers); False, with a warning, where this aiohttp's handler is not
+    the one the hook reads: a request then a half-close get no answer, as before."""
+    return mix_into_handlers(server, HalfClose, {"books": {}},
+                             "a request followed by a half-close (FIN) is not answered",
+                             needs=("_messages", "_request_count", "_parser", "_upgraded", "_payload_parser",
+                                    "_current_request", "_loop", "data_received", "eof_received", "finish_response",
+                                    "force_close", "peername"))
 
 
 class Gateway:
@@ -443,14 +523,14 @@ class Gateway:
             raise S.ApiError(408, f"the request body did not arrive within {self.body_timeout:g} s (this server's "
                              "--body-timeout): send the whole body without pausing", code="request_timeout",
                              close=True) from None
-        except web.RequestPayloadError:  # e.g. a gzip body that does not decompress: the client's error
+        except web.RequestPayloadError as e:  # e.g. a gzip body that does not decompress: the client's error
             # aiohttp's parser stops for good at such a body (the rest of the connection is never
             # read): the answer closes the connection, and the body is ended here, or aiohttp drained
             # it after the answer, met the error again and logged an "Unhandled exception" (three
             # chained tracebacks at ERROR) for every such request (found by scripts/gateway_soak.py)
             request.content.feed_eof()
             encoding = request.headers.get("Content-Encoding")
-            how = f" (Content-Encoding: {encoding})" if encoding else ""
+            how = f": {e}" if isinstance(e, BodyCut) else f" (Content-Encoding: {encoding})" if encoding else ""
             raise S.ApiError(400, f"could not read the request body{how}", code="invalid_body",
                              close=True) from None
         finally:

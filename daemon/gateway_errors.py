@@ -77,7 +77,7 @@ class JsonErrorConnection(web.RequestHandler):
     per-gateway subclass (json_connection_errors), which counts each such answer under the route
     "other", as the middleware counts the others."""
 
-    __slots__ = ()  # aiohttp's layout exactly: json_connection_errors swaps the class of its handlers
+    __slots__ = ()  # aiohttp's layout exactly: mix_into_handlers swaps the class of its handlers
     metrics: GatewayMetrics | None = None
 
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
@@ -114,26 +114,60 @@ class JsonErrorConnection(web.RequestHandler):
 
 
 def json_connection_errors(server: web.Server, metrics: GatewayMetrics | None = None) -> bool:
-    """Make an aiohttp server's connection handlers JsonErrorConnection. `server` is a set-up
-    runner's `runner.server` (aiohttp makes it from the application in `runner.setup()`, and
-    calls it for each accepted connection). aiohttp has no setting for its handler class, so the
-    server's class is swapped for a subclass whose `__call__` re-classes each handler it makes as
-    the JSON one, which adds no slot to aiohttp's (Python allows the swap only between classes of
-    the same layout). Returns False, with a warning, where this aiohttp's classes do not allow it:
-    its own errors then stay text/plain."""
-    conn_cls = type("GatewayConnection", (JsonErrorConnection,), {"__slots__": (), "metrics": metrics})
+    """Make a set-up runner's server's connection handlers JsonErrorConnection ones, counting in
+    `metrics`; False, with a warning, where this aiohttp does not allow it: its own errors then
+    stay text/plain."""
+    return mix_into_handlers(server, JsonErrorConnection, {"metrics": metrics}, "its own errors stay text/plain")
 
-    class JsonErrorServer(type(server)):  # type: ignore[misc, valid-type]
+
+# ----------------------------------------------------------------------------- connection-handler hooks
+def mix_into_handlers(server: web.Server, mixin: type[web.RequestHandler], attrs: dict[str, Any], lost: str,
+                      needs: tuple[str, ...] = ()) -> bool:
+    """Make every connection handler an aiohttp server makes an instance of `mixin` mixed in front
+    of the handler's own class, with `attrs` as class attributes: the one home of the gateway's
+    hooks into aiohttp's connection handler (JsonErrorConnection here, gateway.py's HeaderDeadline
+    and HalfClose). `server` is a set-up runner's `runner.server` (aiohttp makes it from the
+    application in `runner.setup()`, and calls it for each accepted connection). aiohttp has no
+    setting for its handler class, so the server's class is swapped for a subclass whose `__call__`
+    re-classes each handler it makes; Python allows that only between classes of the same layout,
+    so `mixin` adds no slot (`__slots__ = ()`, and state it keeps lives in a class attribute).
+    Hooks stack: a later call mixes its class in front of an earlier one's.
+
+    `needs`: the names of aiohttp's handler attributes and methods `mixin` relies on. Where this
+    aiohttp's handler lacks one of them, or does not allow the swap, the server is left as it is
+    and False returned, with a warning ending in `lost` (what the gateway goes without); a handler
+    of another class that cannot take the mixin is served without it, with one warning per class."""
+    have = {n for c in web.RequestHandler.__mro__ for n in (*getattr(c, "__slots__", ()), *vars(c))}
+    missing = [n for n in needs if n not in have]
+    if missing:  # another aiohttp than the one the hook was written against (3.14; pyproject keeps it below 3.15)
+        log.warning("this aiohttp's connection handler is not the one %s hooks (it has no %s): %s",
+                    mixin.__name__, ", ".join(missing), lost)
+        return False
+    classes: dict[type, type] = {}
+    failed: set[type] = set()
+
+    def mixed(base: type) -> type:
+        if base not in classes:
+            classes[base] = type(f"{mixin.__name__}{base.__name__}", (mixin, base), {"__slots__": (), **attrs})
+        return classes[base]
+
+    class MixingServer(type(server)):  # type: ignore[misc, valid-type]
         def __call__(self) -> web.RequestHandler:
             handler = super().__call__()
-            if type(handler) is web.RequestHandler:
-                handler.__class__ = conn_cls
+            base = type(handler)
+            try:
+                handler.__class__ = mixed(base)
+            except TypeError as e:  # a handler class of another layout: served without the mixin
+                if base not in failed:
+                    failed.add(base)
+                    log.warning("%s connections cannot take %s (%s): %s", base.__name__, mixin.__name__, e, lost)
             return handler
 
     try:
-        web.RequestHandler.__new__(web.RequestHandler).__class__ = conn_cls  # the handlers' swap, tried once
-        server.__class__ = JsonErrorServer
+        # tried once on aiohttp's own class, so that a mismatch shows when the gateway starts
+        web.RequestHandler.__new__(web.RequestHandler).__class__ = mixed(web.RequestHandler)
+        server.__class__ = MixingServer
     except TypeError as e:
-        log.warning("aiohttp's connection handler cannot be replaced (%s): its own errors stay text/plain", e)
+        log.warning("aiohttp's connection handler cannot take %s (%s): %s", mixin.__name__, e, lost)
         return False
     return True

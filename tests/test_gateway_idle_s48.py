@@ -17,13 +17,14 @@ from pathlib import Path
 
 import pytest
 from daemon_fixtures import tiny_pair  # noqa: F401
-from test_adversarial_s47 import daemon  # noqa: F401 (module fixture: a daemon)
+from test_adversarial_s47 import daemon, no_eos  # noqa: F401 (module fixtures: a daemon, a bias against end of text)
 from test_gateway import ROOT, Gateway
 from test_gateway_s48 import _body, _error, _head, _reply, _trickle
 
 COMPLETIONS = "/v1/completions"
 HEADER_TIMEOUT, KEEPALIVE_TIMEOUT, BODY_TIMEOUT = 1.0, 3.0, 6.0
 SLACK = 4.0  # for a loaded 2-core machine
+STREAM_MARGIN = 0.5  # seconds a stream must outlast the header timeout by
 
 
 @pytest.fixture(scope="module")
@@ -142,10 +143,11 @@ def test_an_empty_line_between_requests_does_not_start_the_deadline(idle):
         s.sendall(_request(idle.port))
         _ok(s)
 
-def test_headers_that_arrive_in_pieces_in_time_are_served(idle):
+def test_headers_that_arrive_in_pieces_in_time_are_served(idle, no_eos):  # noqa: F811
     """Headers sent in pieces that end within the deadline, a body with Expect: 100-continue sent
-    after a pause longer than the header timeout (the body has --body-timeout), and pipelined
-    requests are all served; the gateway's log has no traceback."""
+    after a pause longer than the header timeout (the body has --body-timeout), pipelined
+    requests, and a stream that lasts longer than the header timeout are all served; the
+    gateway's log has no traceback."""
     with _connect(idle) as s:
         req = _request(idle.port)
         for i in range(0, 40, 10):
@@ -165,16 +167,26 @@ def test_headers_that_arrive_in_pieces_in_time_are_served(idle):
         for _ in range(3):
             _ok(s)
         assert s.recv(65536) == b""
-    with _connect(idle) as s:  # a stream longer than the header timeout is not cut
-        data = json.dumps(_body(COMPLETIONS, stream=True, max_tokens=8)).encode()
-        s.sendall(_head(COMPLETIONS, length=len(data)) + data)
-        s.settimeout(30)
-        got = b""
-        while b"data: [DONE]" not in got:
-            more = s.recv(65536)
-            assert more, got
-            got += more
+    # A stream that lasts longer than the header timeout is not cut. Timed from its first byte,
+    # which comes after the connection was accepted, when a deadline still armed would have run
+    # from: one that lasts HEADER_TIMEOUT + STREAM_MARGIN from there outlived it for sure. The
+    # tiny model's speed varies with the machine's load, so max_tokens doubles until one does.
+    lasted, max_tokens = 0.0, 256
+    while lasted <= HEADER_TIMEOUT + STREAM_MARGIN:
+        assert max_tokens <= 2048, f"no stream lasted {HEADER_TIMEOUT + STREAM_MARGIN} s (the last {lasted:.2f} s)"
+        with _connect(idle) as s:
+            data = json.dumps(_body(COMPLETIONS, stream=True, max_tokens=max_tokens, logit_bias=no_eos)).encode()
+            s.sendall(_head(COMPLETIONS, length=len(data)) + data)
+            got, first = s.recv(65536), time.monotonic()
+            while not got.endswith(b"\r\n0\r\n\r\n"):  # the chunked body's end
+                more = s.recv(65536)
+                assert more, got[-300:]
+                got += more
+            lasted = time.monotonic() - first
         assert got.startswith(b"HTTP/1.1 200"), got[:200]
+        # it ran to its max_tokens (no end of text), not cut, and ended as a stream does
+        assert b'"finish_reason":"length"' in got and b"data: [DONE]" in got, got[-300:]
+        max_tokens *= 2
     log = Path(idle.err.name).read_text(errors="replace")
     assert "Traceback" not in log and "Error handling request" not in log, log[-3000:]
 
