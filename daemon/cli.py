@@ -200,14 +200,17 @@ def ipc_problem(endpoint: str) -> str | None:
     a path longer than a Unix socket address holds, or a folder where no file can be made."""
     import zmq
 
-    path = paths.ipc_path(endpoint)
-    if path is None:
+    path, abstract = paths.ipc_path(endpoint), paths.ipc_abstract(endpoint)
+    if path is None and abstract is None:
         return None
     limit = getattr(zmq, "IPC_PATH_MAX_LEN", 0) or 103
-    size = len(os.fsencode(path))
+    # an abstract name counts its "@" (ZeroMQ's own check), as the address's leading NUL
+    size = len(os.fsencode(path)) if path is not None else len(abstract)
     if size > limit:
         return (f"its path is {size} bytes, more than the {limit} a Unix socket's address holds "
                 "(choose a shorter runtime_dir or endpoint)")
+    if path is None:  # abstract: no folder, no file
+        return None
     try:  # os.access cannot tell: root passes it even where nothing can be made (/proc)
         with tempfile.TemporaryFile(dir=path.parent, prefix=".dflash-probe-"):
             pass

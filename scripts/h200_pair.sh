@@ -26,8 +26,9 @@
 #                         (mlx-cuda-prepare.sh .campaign-data/*): `data`/`start` unpack them first,
 #                         so the responses are not generated again (~8 min of two GPUs). Over a
 #                         staged cache it brings only what changed: campaign-delta-<UTC time>.tar.xz.NN
-#                         (new files whole, a grown file's new bytes as NAME.from-SIZE); stage those
-#                         beside the base parts and `unpack` applies them in name order. Session 49
+#                         (new files whole, a grown file's new lines as NAME.from-SIZE; see
+#                         scripts/campaign_data.py); stage those beside the base parts and `unpack`
+#                         applies them in name order. Session 49
 #                         lost 20,000 fresh answers when the call ended 2 parts into a 300 MB full
 #                         pack whose new lines came last. PACKDATA_FULL=1: the whole cache as before
 #   unpack              - the staged base parts and deltas -> the data cache (what data/start do first)
@@ -40,9 +41,9 @@
 set -uo pipefail
 TARGET_DTYPE=${TARGET_DTYPE:-bfloat16}
 MODEL=/tmp/stage/files/smol-bf16; [ "$TARGET_DTYPE" = float32 ] && MODEL=/tmp/stage/files/smol-fp32
-TRAIN=${CAMPAIGN_TRAIN:-/tmp/train_out}  # CAMPAIGN_*: other folders (tests/test_campaign_delta_s49.py)
+TRAIN=${CAMPAIGN_TRAIN:-/tmp/train_out}  # CAMPAIGN_*: other places (tests/test_campaign_delta_s49.py)
 STAGE=${CAMPAIGN_STAGE:-/tmp/stage/files}
-LOG=/tmp/train_stdout.log
+LOG=${CAMPAIGN_LOG:-/tmp/train_stdout.log}
 DRAFT=${DRAFT:-$TRAIN}  # bench/ttft: the draft just trained, or e.g. the bundled one staged as a file
 ns() {
   mkdir -p /tmp/ns/dflash
@@ -68,51 +69,13 @@ bg() {  # run the training script in its own session, detached from this call; t
     > "$LOG" 2>&1 < /dev/null &
   sleep 5; tail -3 "$LOG"
 }
-data_sizes() {  # "data/FILE BYTES MD5" for each file of the cache: what a later packdata is a delta from
-  (cd "$TRAIN" && find data -type f ! -name .unpacked | sort | while read -r f; do
-    echo "$f $(stat -c %s "$f") $(md5sum < "$f" | cut -c1-32)"; done)
-}
-apply_delta() {  # one delta set ($1 = its parts' path less .tar.xz.NN) onto $TRAIN/data
-  local d=/tmp/delta_in.$$ f base from have
-  rm -rf "$d" && mkdir -p "$d" && cat "$1".tar.xz.* | xz -d | tar x -C "$d" || return 1
-  while read -r f; do
-    case "$f" in
-      *.from-*) base=${f%.from-*}; from=${f##*.from-}
-        have=$(stat -c %s "$TRAIN/$base" 2>/dev/null || echo none)
-        if [ "$have" != "$from" ]; then
-          echo "unpack: $(basename "$1") continues $base from byte $from, but the staged file has $have"; return 1
-        fi
-        cat "$d/$f" >> "$TRAIN/$base" ;;
-      *) cp "$d/$f" "$TRAIN/$f" ;;
-    esac
-  done < <(cd "$d" && find data -type f | sort)
-  rm -rf "$d"; echo "unpack: applied $(basename "$1")"
-}
-unpack_data() {  # staged data parts (see packdata) -> $TRAIN/data, once, then the staged deltas in name order
-  local parts=("$STAGE"/campaign-data.tar.xz.*) set
-  [ -e "${parts[0]}" ] && [ ! -f "$TRAIN/data/.unpacked" ] || return 0
-  mkdir -p "$TRAIN" && cat "${parts[@]}" | xz -d -T0 | tar x -C "$TRAIN" || return 1
-  for set in $(ls "$STAGE"/campaign-delta-*.tar.xz.* 2>/dev/null | sed 's/\.tar\.xz\.[0-9]*$//' | sort -u); do
-    apply_delta "$set" || return 1
-  done
-  data_sizes > "$TRAIN/data/.unpacked.tmp" && mv "$TRAIN/data/.unpacked.tmp" "$TRAIN/data/.unpacked"
-  ls "$TRAIN/data"
-}
-pack_delta() {  # what changed since unpack_data (its .unpacked list) as a delta set into $OUT
-  local d=/tmp/delta_out.$$ f size sum old osize osum
-  rm -rf "$d" && mkdir -p "$d/data"
-  while read -r f size sum; do
-    old=$(awk -v f="$f" '$1 == f {print $2, $3}' "$TRAIN/data/.unpacked"); osize=${old% *}; osum=${old#* }
-    if [ -z "$old" ]; then cp "$TRAIN/$f" "$d/$f"                         # a new file: whole
-    elif [ "$size" = "$osize" ] && [ "$sum" = "$osum" ]; then continue      # unchanged
-    elif [ "$size" -gt "$osize" ] && [ "$(head -c "$osize" "$TRAIN/$f" | md5sum | cut -c1-32)" = "$osum" ]; then
-      tail -c +$((osize + 1)) "$TRAIN/$f" > "$d/$f.from-$osize"            # appended to: the new bytes
-    else cp "$TRAIN/$f" "$d/$f"; fi                                       # rewritten: whole
-  done < <(data_sizes)
-  if [ -z "$(ls -A "$d/data")" ]; then echo "packdata: nothing changed since the staged cache"; rm -rf "$d"; return 0; fi
-  (cd "$d" && tar cf - data) | xz -T"${XZ_THREADS:-0}" -6 \
-    | split -d -a 2 -b 15000000 - "$OUT/campaign-delta-$(date -u +%Y%m%dT%H%M%S).tar.xz."
-  (cd "$d" && find data -type f -printf '%p %s\n'); rm -rf "$d"
+unpack_data() {  # the staged base parts and deltas -> $TRAIN/data, once (scripts/campaign_data.py);
+  # where they cannot make a cache, the job is marked failed (h200_session.sh stops on it) and
+  # nothing is started over a half-built one
+  python3 scripts/campaign_data.py unpack --stage "$STAGE" --train "$TRAIN" && return 0
+  echo "unpack: the staged data cannot be unpacked (above); no job started"
+  printf 'unpack failed: the staged data cannot be unpacked\nTRAIN_DONE rc=1\n' > "$LOG"
+  exit 1
 }
 case "$1" in
   failed) failed "${2:-$LOG}" ;;
@@ -201,7 +164,9 @@ case "$1" in
        /tmp/snap/trainer.json "$OUT"/ && echo "$step" > /tmp/snap_step
     echo "snap: checkpoint at step $step in \$OUT ($(ls "$OUT" | wc -l) files)" ;;
   packdata)  # XZ_THREADS: fewer while a training runs beside it (default all cores)
-    if [ -s "$TRAIN/data/.unpacked" ] && [ "${PACKDATA_FULL:-0}" != 1 ]; then pack_delta; ls -la "$OUT"; exit 0; fi
+    if [ -s "$TRAIN/data/.unpacked" ] && [ "${PACKDATA_FULL:-0}" != 1 ]; then
+      python3 scripts/campaign_data.py pack-delta --train "$TRAIN" --out "$OUT"; ls -la "$OUT"; exit 0
+    fi
     (cd "$TRAIN" && tar cf - --exclude=.unpacked data) | xz -T"${XZ_THREADS:-0}" -6 | split -d -a 2 -b 15000000 - "$OUT/campaign-data.tar.xz."
     ls -la "$OUT" ;;
   ptxrestore)  # the CUDA kernels an earlier session compiled (see ptxpack), staged as a file, once

@@ -141,8 +141,8 @@ case $phase in
     touch /tmp/ph_train
     if [ "$DATA_PHASE" = 1 ] && [ "${PACKDATA:-1}" = 1 ]; then  # the new data, home now
       sleep 60  # the trainer reads the cache first (and answers any prompts DERIVE still lacks)
+      data_sig > /tmp/packed_sig  # before the pack: lines appended while it runs make the packdata phase pack again
       XZ_THREADS=6 nice -n 10 bash scripts/h200_pair.sh packdata | tail -n 6
-      data_sig > /tmp/packed_sig
     fi ;;
   pack)
     if [ -n "$AB" ]; then

@@ -223,3 +223,28 @@ def test_an_abstract_cache_endpoint_serves_the_l2(tiny_pair, two_dirs):  # noqa:
         assert not (ROOT / cache_endpoint[len("ipc://"):]).exists()
     finally:
         _stop(a)
+
+
+def test_an_abstract_name_too_long_for_a_socket_address_is_refused():
+    """The address-length check covers `ipc://@name` too (ZeroMQ counts the "@"): a name one byte
+    too long was passed by the start checks, and the worker's bind failed at every restart."""
+    from dflash.daemon.cli import ipc_problem
+
+    limit = zmq.IPC_PATH_MAX_LEN
+    fits, too_long = "ipc://@" + "a" * (limit - 1), "ipc://@" + "a" * limit
+    assert ipc_problem(fits) is None
+    assert ipc_problem(too_long) == (f"its path is {limit + 1} bytes, more than the {limit} a Unix socket's "
+                                     "address holds (choose a shorter runtime_dir or endpoint)")
+    ctx = zmq.Context()
+    try:
+        for endpoint, binds in ((fits, True), (too_long, False)):  # what the check stands for
+            sock = ctx.socket(zmq.ROUTER)
+            try:
+                sock.bind(endpoint)
+                assert binds
+            except zmq.ZMQError:
+                assert not binds
+            finally:
+                sock.close(0)
+    finally:
+        ctx.term()
