@@ -220,7 +220,8 @@ class Compute:
         except Exception as e:  # engine failure: fail this job, keep serving
             log.error("job %s failed: %s", job.job_id, traceback.format_exc())
             result, state = P.Error(code=P.JOB_FAILED, message=f"{type(e).__name__}: {e}", job_id=job.job_id), "error"
-        if job.cancel_reason == "shutdown":
+        if job.cancel_reason == "shutdown" and not (isinstance(result, P.Done) and result.finish_reason != "shutdown"):
+            # (a job that finished on its own before the stop reached it keeps its answer)
             job.attempts -= 1  # a clean stop is not the job's fault: run it again next start
             self.store.save(job)
             self.jobs.finish(job, "queued")
@@ -330,7 +331,13 @@ class Compute:
             # survive a worker that dies right after.
             self.prefix_cache.wait_writes(timeout=10.0)
         stats = final.stats.to_dict()
-        reason = job.cancel_reason or stats.get("finish_reason", "")
+        reason = stats.get("finish_reason", "")
+        if reason == "cancelled":  # the engine stopped at a cancel: whose (cancel, timeout, shutdown)
+            reason = job.cancel_reason or reason
+        # A cancel that came once the answer was complete (after its last token, before this
+        # line) stops nothing: the answer keeps its own reason. It used to be relabelled
+        # "cancelled" (39 of 40 cancels sent on seeing the last delta): a whole answer reported
+        # as cut short, counted in jobs_cancelled, exit 6 from dflash-client.
         stats["finish_reason"] = reason
         stats["sampling"] = {**asdict(SamplingParams()), **sampling}  # the engine's defaults: greedy
         stats["verify_window"] = window

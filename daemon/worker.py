@@ -254,8 +254,15 @@ class Worker:
             del self.held[job_id]  # nobody asked; its record has expired in the store too
 
     def _client_gone(self, job_id: str) -> None:
+        """The connection streaming job_id has gone: a streamed job is cancelled with it. A
+        detached one (submitted with stream false) only loses the watcher: a connection that
+        re-attached to it (the same submit sent again with stream true) and then went away
+        used to cancel it, though no one had asked for that and its owner still polled for it."""
         self.watchers.pop(job_id, None)
         self.counters["clients_gone"] += 1
+        live = self.jobs.get(job_id)
+        if live is not None and not live.stream:
+            return
         job = self.jobs.cancel(job_id, "cancelled")
         if job is not None and job.state == "cancelled":  # was queued: never reaches compute
             self._finish_unstarted(job)
@@ -331,6 +338,10 @@ class Worker:
         if self.compute.load_error:
             raise P.ProtocolError(P.NOT_READY, f"model failed to load: {self.compute.load_error}")
         job_id = req.job_id or uuid.uuid4().hex
+        if (mismatch := self._other_request(job_id, req)) is not None:
+            raise P.ProtocolError(P.BAD_REQUEST, f"job id {job_id!r} is taken by a different request that has not "
+                                  f"finished ({mismatch} differs): choose another job id, or leave it unset",
+                                  param="job_id")
         if self.store.known(job_id):  # a retried submit: answer for the job we already have
             self._claim(job_id)
             if self.jobs.get(job_id) is not None and req.stream:
@@ -358,6 +369,21 @@ class Worker:
             self._watch(job_id, ident, req.rid)
         position = self.jobs.push(job, force=True)
         return P.Accepted(job_id=job_id, position=position)
+
+    def _other_request(self, job_id: str, req: P.Submit) -> str | None:
+        """The first prompt field in which `req` differs from the unfinished job (queued, running
+        or held) that has this id; None when they agree or there is no such job. A re-sent
+        submit (a lost reply) repeats its fields, so it still answers for the job it queued; a
+        different request that reused the id used to be answered `accepted` for the other job
+        and then streamed that job's text, as if it were its own."""
+        job = self.jobs.get(job_id) or self.held.get(job_id)
+        if job is None:
+            return None
+        fields = P.to_map(req)
+        for name in _PROMPT_FIELDS:
+            if name in job.request and _plain(fields.get(name)) != _plain(job.request[name]):  # (older records: fewer)
+                return name
+        return None
 
     def _watch(self, job_id: str, ident: bytes, rid: int) -> None:
         """Stream job_id's events to this connection. Another connection that streamed it (a
@@ -560,6 +586,18 @@ class Worker:
                 "events": self.compute.events.qsize(), "tasks": self.compute.tasks.qsize(),
                 "store_jobs": store["jobs"], "store_results": store["results"], "store_rows": store["rows"],
                 "threads": threading.active_count(), "py_blocks": sys.getallocatedblocks(), **self.compute.memory()}
+
+
+_PROMPT_FIELDS = ("text", "messages", "token_ids", "system", "raw", "max_tokens", "stop")
+
+
+def _plain(value: Any) -> Any:
+    """A request value as the job store gives it back (tuples as lists), for comparisons."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def _check_list_name(name: str) -> None:
