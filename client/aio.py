@@ -17,6 +17,7 @@ from dflash.daemon.config import DaemonConfig
 
 from . import errors as E
 from .client import (
+    REFUSED_BELOW,
     SEND,
     Delta,
     Result,
@@ -36,9 +37,20 @@ from .client import (
     seconds,
     sendable,
     setup_curve,
+    unavailable,
     waited_too_long,
     worker_gone,
 )
+
+
+async def send_now(sock: zmq.asyncio.Socket, frame: bytes) -> bool:
+    """client.send_now, awaited: False when the send would wait (see client.REFUSED_BELOW); an
+    awaited send then waited forever, past every timeout."""
+    try:
+        await sock.send(frame, zmq.NOBLOCK)
+        return True
+    except zmq.Again:
+        return False
 
 
 def _cancel_requested() -> bool:
@@ -104,11 +116,15 @@ class AsyncDFlashClient:
         sendable(frame, self._cfg)
         end = time.monotonic() + (self.timeout if timeout is None else timeout)
         plan = exchange_plan(msg.rid, end, self.retry_interval, self.heartbeat_timeout, beats, self.endpoint)
+        sent = 0
         try:
             step = next(plan)
             while True:
                 if step is SEND:
-                    await sock.send(frame)
+                    if await send_now(sock, frame):
+                        sent += 1
+                    elif sent < REFUSED_BELOW:  # the peer refused the handshake: see client.py
+                        raise unavailable(self.endpoint, refused=True)
                     step = next(plan)
                 else:
                     step = plan.send(await self._recv(sock, step))

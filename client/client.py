@@ -285,9 +285,32 @@ def encode_request(msg: Any) -> bytes:
         raise
 
 
-def unavailable(endpoint: str) -> E.WorkerUnavailableError:
+def unavailable(endpoint: str, refused: bool = False) -> E.WorkerUnavailableError:
+    """No answer in time; `refused`: the peer at the endpoint refused the ZeroMQ handshake, which
+    a dflash worker refuses only to a client without its CURVE keys (anything else there is not
+    a dflash worker: another ZeroMQ socket type)."""
+    if refused:
+        return E.WorkerUnavailableError(
+            "unavailable", f"the server at {endpoint} refused this client's ZeroMQ handshake: it is not a "
+            "dflash worker, or it wants CURVE keys this client lacks (curve_server_public in the config)")
     return E.WorkerUnavailableError(
         "unavailable", f"no dflash worker answered at {endpoint} (is `dflashd start` running?)")
+
+
+# A send that would block with fewer than this many frames queued (ZeroMQ's SNDHWM: 1000) means
+# the connection is gone: a DEALER has one from connect() on, and ZeroMQ drops it for good only
+# when the peer refuses the handshake (another ZeroMQ socket type, missing or other CURVE keys).
+# A blocking send then waited forever, past every timeout; now that is said at once.
+REFUSED_BELOW = 500
+
+
+def send_now(sock: zmq.Socket, frame: bytes) -> bool:
+    """Send without blocking; False when it would block (see REFUSED_BELOW)."""
+    try:
+        sock.send(frame, zmq.NOBLOCK)
+        return True
+    except zmq.Again:
+        return False
 
 
 def worker_gone(endpoint: str, heartbeat_timeout: float, job_id: str) -> E.WorkerGoneError:
@@ -454,11 +477,15 @@ class DFlashClient:
         sendable(frame, self._cfg)
         end = time.monotonic() + (self.timeout if timeout is None else timeout)
         plan = exchange_plan(msg.rid, end, self.retry_interval, self.heartbeat_timeout, beats, self.endpoint)
+        sent = 0
         try:
             step = next(plan)
             while True:
                 if step is SEND:
-                    sock.send(frame)
+                    if send_now(sock, frame):
+                        sent += 1
+                    elif sent < REFUSED_BELOW:
+                        raise unavailable(self.endpoint, refused=True)
                     step = next(plan)
                 else:
                     step = plan.send(self._recv(sock, step))
