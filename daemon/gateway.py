@@ -246,7 +246,7 @@ class BodyCut(web.RequestPayloadError):
 
 
 class HalfClose(web.RequestHandler):
-    """A connection handler that answers the requests a client sent before it shut down its
+    """A connection handler that answers the request a client sent before it shut down its
     sending side (a FIN: `shutdown(SHUT_WR)`, a half-close, as some HTTP/1.1 clients and load
     balancers do once their request is out), then closes the connection. aiohttp's handler lets
     asyncio close the whole connection at the FIN, so such a request got no answer at all. A
@@ -254,25 +254,30 @@ class HalfClose(web.RequestHandler):
     --body-timeout 408 later); a connection with no request left to answer (it sent nothing, part
     of a request's headers, or waits between kept-alive requests) is still closed at the FIN.
     A client that closes its connection altogether (it gave up) sends the same FIN, and TCP tells
-    the two apart only once something is written to it: so at the FIN, where the request is HTTP/1.1
-    and its answer has not begun, the gateway writes an interim `100 Continue` (RFC 9110 15.2: a
-    client must take any number of 1xx before the final answer), which a closed socket answers with
-    a reset; the socket's error, read every GONE_PROBE_S, then aborts the connection and cancels the
-    handler (serve's handler_cancellation), and with it the job, as at a disconnect before. A client
-    that gives up later, or a request whose answer began (a stream: its next event finds it), or an
-    HTTP/1.0 one, is noticed when the answer is written. Mixed into the server's handler class by
-    `half_close_answers`; what it counts per connection lives in `books` (aiohttp's handlers have
-    slots and no room)."""
+    the two apart only once something is written to it: so at the FIN, where the answer has not
+    begun, the gateway writes an interim `100 Continue` (RFC 9110 15.2: an HTTP/1.1 client must
+    take any number of 1xx before the final answer), which a closed socket answers with a reset;
+    the socket's error, read every GONE_PROBE_S, then aborts the connection and cancels the
+    handler (serve's handler_cancellation), and with it the job, as at any disconnect. So only an
+    HTTP/1.1 request that is the last one sent is kept past the FIN: an HTTP/1.0 one may not be
+    sent a 1xx (nginx speaks HTTP/1.0 to its upstream by default and closes when its client
+    aborts), and requests pipelined behind another would go unprobed until answered; both close
+    at the FIN as before, so an abandoned generation is cancelled at once (the review of session
+    49 found them run to their end). A client that gives up after the probe, or whose answer had
+    begun (a stream: its next event finds it), is noticed when the answer is written. Mixed into
+    the server's handler class by `half_close_answers`; what it counts per connection lives in
+    `books` (aiohttp's handlers have slots and no room)."""
 
     __slots__ = ()  # aiohttp's layout exactly: the server swaps the class of the handlers it makes
-    # handler -> [requests answered, the last request parsed (message, body), whether the FIN came]
+    # handler -> [requests answered, the last request parsed (message, body), whether the FIN
+    # came, whether an answer is being written]
     books: dict[web.RequestHandler, list] = {}
 
     def data_received(self, data: bytes) -> None:
         queued = len(self._messages)
         super().data_received(data)
         if len(self._messages) > queued:  # requests parsed: the last one's body is the one still arriving
-            self.books.setdefault(self, [0, None, False])[1] = self._messages[-1]
+            self.books.setdefault(self, [0, None, False, False])[1] = self._messages[-1]
 
     def eof_received(self) -> bool | None:
         book = self.books.get(self)
@@ -280,20 +285,23 @@ class HalfClose(web.RequestHandler):
         if (self._upgraded or self._payload_parser is not None or book is None or book[1] is None
                 or self._request_count <= book[0]):
             return None  # nothing asked and not answered: asyncio closes the connection, as before
-        book[2] = True
         msg, body = book[1]
+        version = getattr(msg, "version", None)  # None: a line the parser refused, its 400 on the way
+        if (version is not None and version != HttpVersion11) or self._request_count > book[0] + 1:
+            return None  # HTTP/1.0, or requests pipelined behind another: no probe, closed as before
+        book[2] = True
         if not body.is_eof() and self._parser is not None:  # its parser is in that body
             try:
                 self._parser.feed_eof()  # ends the body where all of it is in, else says what is missing
             except HttpProcessingError as e:
                 body.set_exception(BodyCut(f"the client closed its side of the connection before the request "
                                            f"body ended: {str(e.message or e).strip()}"))
-        current = self._current_request  # None: the last request's handler has not started yet
-        if (not self._messages and getattr(msg, "version", None) == HttpVersion11 and self.transport is not None
-                and (current is None or current.writer.output_size == 0)):
+        current = self._current_request  # None: its handler has not started yet, or has returned
+        begun = book[3] or (current is not None and current.writer.output_size > 0)
+        if version == HttpVersion11 and not begun and self.transport is not None:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # a closed socket answers it with a reset
             self._loop.call_later(GONE_PROBE_S, self._gone)
-        return True  # the connection stays open for the answers
+        return True  # the connection stays open for the answer
 
     def _gone(self) -> None:
         """Aborts the connection where the probe at the FIN was answered with a reset (the client
@@ -313,15 +321,19 @@ class HalfClose(web.RequestHandler):
 
     async def finish_response(self, request: Any, resp: web.StreamResponse,
                               start_time: float | None) -> tuple[web.StreamResponse, bool]:
-        book = self.books.setdefault(self, [0, None, False])
+        book = self.books.setdefault(self, [0, None, False, False])
         if book[2] and self._request_count == book[0] + 1 and not resp.prepared:
             resp.force_close()  # the last request the client sent: say the connection closes after it
+        book[3] = True  # being written: a FIN now gets no interim 100 (it would follow the answer)
         try:
             return await super().finish_response(request, resp, start_time)
         finally:
             book[0] += 1
-            if book[2] and self._request_count == book[0]:
-                self.force_close()  # closes once the answer is written; aiohttp reads no rest of a body
+            book[3] = False
+            if self._request_count == book[0]:
+                book[1] = None  # all answered: the last request's body buffer is not kept alive
+                if book[2]:
+                    self.force_close()  # closes once the answer is written; aiohttp reads no rest of a body
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.books.pop(self, None)
