@@ -354,8 +354,7 @@ class Worker:
             raise P.ProtocolError(P.BUSY, f"queue full ({self.cfg.max_queue} jobs waiting); try again later")
         limit = self.cfg.job_timeout_s if req.timeout_s is None else min(req.timeout_s, self.cfg.job_timeout_s)
         fields = P.to_map(req)
-        request = {k: fields[k] for k in ("text", "messages", "token_ids", "system", "raw", "max_tokens", "stop",
-                                          "cache", "positions")}
+        request = {k: fields[k] for k in (*_PROMPT_FIELDS, "cache", "positions")}
         if req.positions_name is not None:  # resolved now: the job is durable and self-contained
             request["positions"] = self._named_positions(req)
         if req.template_args:  # chat template keyword arguments (gateway: chat_template_kwargs)
