@@ -300,6 +300,31 @@ def _stats(cfg: DaemonConfig, timeout: float) -> dict | None:
         return None
 
 
+def _model(cfg: DaemonConfig, timeout: float) -> dict | None:
+    """What the running worker serves (its `models` answer: model, draft, dtype, loaded), or None
+    when nothing answered."""
+    from dflash.client.errors import DFlashError
+
+    try:
+        with _client(cfg, timeout) as c:
+            models = c.models()
+    except DFlashError:
+        return None
+    return models[0] if models and isinstance(models[0], dict) else None
+
+
+def _model_words(m: dict | None) -> str:
+    """`model M (draft D, dtype T)` for a `models` answer; "" for none."""
+    if not m or not m.get("model"):
+        return ""
+    extra = [f"draft {m['draft']}" if m.get("draft") else "draft from the registry"]
+    if m.get("dtype"):
+        extra.append(f"dtype {m['dtype']}")
+    if m.get("loaded") is False:
+        extra.append("not loaded")
+    return f"model {m['model']} ({', '.join(extra)})"
+
+
 class _Cli(click.Group):
     """Ctrl-C in a command that does not handle it ends with one line and 130, not click's
     "Aborted!" and exit 1 (`start` also stops what it started: _interrupted)."""
@@ -328,7 +353,10 @@ def start(config_path, foreground, wait_s, **flags):
     if not cfg.model:
         raise BadConfig("no model configured: pass --model, set DFLASH_MODEL or `model` in the config")
     if _supervisor_pid(cfg) or _stats(cfg, 0.5):
-        raise click.ClickException(f"dflashd is already running at {cfg.resolved_endpoint()}")
+        serving = _model_words(_model(cfg, 0.5))
+        raise click.ClickException(f"dflashd is already running at {cfg.resolved_endpoint()}"
+                                   + (f", serving {serving}" if serving else "")
+                                   + ": `dflashd restart` with your flags replaces it, `dflashd stop` ends it")
     _check_places(cfg)
     claim = _claim_cache_dir(cfg)  # held from here on by this process, then by the supervisor
     orphans = _stop_orphans(cfg)  # they would hold the locks the new children need
@@ -476,7 +504,9 @@ def status(config_path, as_json, **flags):
     sup = _supervisor_pid(cfg)
     l2_down = bool(st and (st.get("cache") or {}).get("enabled") and not st["cache"].get("l2_up"))
     cache_error = supervisor.child_error(cfg.runtime_path(), sup, "cache") if l2_down else None  # why the cache process stopped
-    info = {"endpoint": cfg.resolved_endpoint(), "supervisor_pid": sup, "worker": st, "cache_error": cache_error}
+    model = _model(cfg, 2.0) if st is not None else None  # the pair it serves: model, draft, dtype
+    info = {"endpoint": cfg.resolved_endpoint(), "supervisor_pid": sup, "worker": st, "cache_error": cache_error,
+            "model": model}
     if as_json:
         click.echo(json.dumps(info, indent=2))
     elif st is None:
@@ -486,6 +516,8 @@ def status(config_path, as_json, **flags):
         click.echo(f"dflashd: {st['state']} at {info['endpoint']}{error}")
         click.echo(f"  supervisor {f'pid {sup}' if sup else 'none'}, worker pid {st['pid']}, up {st['uptime_s']:.0f}s,"
                    f" restarts {st['restarts']}")
+        if _model_words(model):
+            click.echo(f"  {_model_words(model)}")
         from dflash.client.cli import cache_lines, store_notes
 
         for note in store_notes(st):

@@ -1,0 +1,65 @@
+"""Session 50's README walk-through from a clean clone: what a newcomer hit, kept fixed.
+
+- `dflashd status` said nothing of the model it serves (its --help promises "pid, model, ..."),
+  and a second `dflashd start --model OTHER` answered only "already running", not with what and
+  not how to replace it.
+- A mistyped `--draft` was named "no config.json in draft directory X" for a folder that is not
+  there (the target's "model directory not found: X" names it as such).
+
+Real processes: `dflashd` on a tiny pair in its own runtime and state dirs, `dflash generate`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from daemon_fixtures import tiny_pair  # noqa: F401
+
+
+def _env() -> dict[str, str]:
+    """No user settings (config file, endpoint) and no BLAS re-exec."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
+    return {**env, "XDG_CONFIG_HOME": tempfile.gettempdir() + "/dflash-s50-no-config", "DFLASH_BLAS": "none"}
+
+
+def _run(module: str, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          timeout=timeout, env=_env(), stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture
+def dirs():
+    d = Path(tempfile.mkdtemp(prefix="dfw", dir="/tmp"))  # short: ipc paths are capped
+    yield ["--runtime-dir", str(d / "run"), "--state-dir", str(d / "state")]
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_status_names_the_model_and_a_second_start_says_what_runs(tiny_pair, dirs):  # noqa: F811
+    model, draft = tiny_pair
+    out = _run("dflash.daemon.cli", "start", "--model", model, "--draft", draft, *dirs)
+    try:
+        assert out.returncode == 0, out.stderr
+        text = _run("dflash.daemon.cli", "status", *dirs)
+        assert text.returncode == 0, text.stderr
+        lines = text.stdout.splitlines()
+        assert lines[2] == f"  model {model} (draft {draft})", text.stdout  # after the pids, before the accelerator
+        st = json.loads(_run("dflash.daemon.cli", "status", "--json", *dirs).stdout)
+        assert st["model"]["model"] == model and st["model"]["draft"] == draft and st["model"]["loaded"] is True
+        again = _run("dflash.daemon.cli", "start", "--model", model + "-other", *dirs)
+        assert again.returncode == 1, again.stderr
+        err = again.stderr.strip()
+        assert err.startswith("Error: dflashd is already running at ipc://"), err
+        assert f"serving model {model} (draft {draft})" in err and "`dflashd restart`" in err, err
+        assert "\n" not in err and "Traceback" not in again.stderr
+    finally:
+        stop = _run("dflash.daemon.cli", "stop", *dirs)
+    assert stop.returncode == 0, stop.stderr
+    gone = _run("dflash.daemon.cli", "status", "--json", *dirs)
+    assert gone.returncode == 3 and json.loads(gone.stdout)["model"] is None
+
