@@ -327,6 +327,10 @@ def read_config(path: str | Path) -> DraftConfig:
 def _read_config(path: Path) -> tuple[DraftConfig, dict[str, Any]]:
     """read_config's answer and the raw JSON it came from (load_draft also reads quantization)."""
     cfg_file = path / "config.json"
+    if not path.exists():  # a mistyped --draft: say so, not "no config.json in" a folder that is not there
+        raise FileNotFoundError(f"draft directory not found: {path}")
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is a file, not a draft directory")
     if not cfg_file.is_file():
         raise FileNotFoundError(f"no config.json in draft directory {path}")
     try:

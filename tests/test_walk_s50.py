@@ -63,3 +63,17 @@ def test_status_names_the_model_and_a_second_start_says_what_runs(tiny_pair, dir
     gone = _run("dflash.daemon.cli", "status", "--json", *dirs)
     assert gone.returncode == 3 and json.loads(gone.stdout)["model"] is None
 
+
+def test_a_missing_draft_directory_is_named_as_such(tiny_pair, tmp_path):  # noqa: F811
+    model, _ = tiny_pair
+    missing = tmp_path / "no-such-draft"
+    out = _run("dflash.engine.cli", "generate", "--model", model, "--draft", str(missing), "-p", "hi", "-m", "2")
+    assert out.returncode == 1 and out.stderr.strip() == f"Error: draft directory not found: {missing}", out.stderr
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("not a draft")
+    out = _run("dflash.engine.cli", "generate", "--model", model, "--draft", str(a_file), "-p", "hi", "-m", "2")
+    assert out.returncode == 1 and out.stderr.strip() == f"Error: {a_file} is a file, not a draft directory", out.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = _run("dflash.engine.cli", "generate", "--model", model, "--draft", str(empty), "-p", "hi", "-m", "2")
+    assert out.returncode == 1 and out.stderr.strip() == f"Error: no config.json in draft directory {empty}", out.stderr

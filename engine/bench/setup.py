@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 
 from .. import draftvocab
-from ..draft import DFlashDraft, DraftConfig
+from ..draft import DFlashDraft, DraftConfig, read_config
 from ..drafters import DFlashDrafter, Drafter, OracleDrafter
 from ..loading import DTYPES, draft_dtype, floating_dtypes, main_dtype, resolve_model
 from ..target import TargetModel, default_layer_ids
@@ -332,10 +332,7 @@ def build_setup(cfg: BenchConfig) -> Setup:
     if draft is not None:
         layer_ids, block = list(draft.config.target_layer_ids), draft.config.block_size
     elif cfg.draft:  # oracle without draft cost: the draft only fixes layers and block size
-        cfg_file = Path(cfg.draft) / "config.json"
-        if not cfg_file.is_file():  # as load_draft says it
-            raise FileNotFoundError(f"no config.json in draft directory {cfg.draft}")
-        dcfg = DraftConfig.from_dict(json.loads(cfg_file.read_text()))
+        dcfg = read_config(cfg.draft)  # as load_draft reads and names it
         layer_ids, block = list(dcfg.target_layer_ids), dcfg.block_size
     else:
         layer_ids, block = None, cfg.block_size
