@@ -234,6 +234,13 @@ def load_config(
     if file is not None:
         with open(file, "rb") as fh:
             data = tomllib.load(fh)
+        if "daemon" in data:  # what sits beside a [daemon] table was dropped without a word (a typo'd table too)
+            if not isinstance(data["daemon"], dict):
+                raise ValueError(f"{file}: daemon must be a table ([daemon]), got {shown(data['daemon'])}")
+            stray = sorted(k for k in data if k not in ("daemon", "generation"))
+            if stray:
+                raise ValueError(f"{file}: with a [daemon] table, only [generation] may stand beside it; got "
+                                 f"{', '.join(stray)} (put settings in [daemon], or use no [daemon] table)")
         section = dict(data.get("daemon", data))
         generation = data.get("generation", {})
         section.pop("generation", None)

@@ -3,6 +3,8 @@
 - `dflashd status` said nothing of the model it serves (its --help promises "pid, model, ..."),
   and a second `dflashd start --model OTHER` answered only "already running", not with what and
   not how to replace it.
+- A config file with a `[daemon]` table silently dropped everything beside it but `[generation]`
+  (a `[generaton]` typo, a `model` written above the table).
 - A mistyped `--draft` was named "no config.json in draft directory X" for a folder that is not
   there (the target's "model directory not found: X" names it as such).
 
@@ -77,3 +79,31 @@ def test_a_missing_draft_directory_is_named_as_such(tiny_pair, tmp_path):  # noq
     empty.mkdir()
     out = _run("dflash.engine.cli", "generate", "--model", model, "--draft", str(empty), "-p", "hi", "-m", "2")
     assert out.returncode == 1 and out.stderr.strip() == f"Error: no config.json in draft directory {empty}", out.stderr
+
+
+@pytest.mark.parametrize("text, words", [
+    ('[daemon]\nmodel = "/m"\n[generaton]\ntemperature = 0.5\n', "got generaton"),  # a typo'd table
+    ('model = "/m"\n[daemon]\nmax_queue = 3\n', "got model"),  # a key above the table
+    ("daemon = 3\n", "daemon must be a table"),
+])
+def test_what_stands_beside_a_daemon_table_is_refused_not_dropped(tmp_path, text, words):
+    """With a [daemon] table, everything else in the file but [generation] was ignored without a
+    word: a `[generaton]` typo left the daemon greedy, a `model` above the table was not used."""
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    for module, prefix in (("dflash.daemon.cli", "Error: bad config: "), ("dflash.client.cli", "dflash-client: bad config: ")):
+        out = _run(module, *(["status", "--config", str(f)] if module == "dflash.daemon.cli"
+                             else ["--config", str(f), "status"]))
+        line = out.stderr.strip()
+        assert out.returncode == 2 and line.startswith(prefix + str(f)) and words in line, out.stderr
+        assert "\n" not in line and "Traceback" not in out.stderr
+
+
+def test_a_daemon_table_with_generation_beside_it_still_loads(tmp_path):
+    from dflash.daemon.config import load_config
+
+    f = tmp_path / "c.toml"
+    f.write_text('[daemon]\nmodel = "/m"\nmax_queue = 3\n[generation]\ntemperature = 0.5\n')
+    cfg = load_config(f, env={})
+    assert (cfg.model, cfg.max_queue, cfg.temperature) == ("/m", 3, 0.5)
+
