@@ -167,6 +167,8 @@ def generate(model_path, draft_path, prompt, max_tokens, system, raw, stop, dtyp
     plain, shown = None, False  # shown: the DFlash run's stats line is printed already
     try:
         prompt = _read_prompt(prompt)
+        if not prompt.strip():  # refused before the model loads, exit 2, as dflash-client's bad_request
+            raise BadInput("empty prompt: give --prompt TEXT, or pipe it on stdin")
         pair = load_pair(model_path, draft_path, dtype=dtype)
         _check_pair(pair, compare_plain)
         ids = build_prompt(pair.tokenizer, prompt, system=system, raw=raw)

@@ -5,6 +5,7 @@
   not how to replace it.
 - A config file with a `[daemon]` table silently dropped everything beside it but `[generation]`
   (a `[generaton]` typo, a `model` written above the table).
+- `dflash generate -p ""` loaded the model and then exited 1; dflash-client calls it a bad request (2).
 - A mistyped `--draft` was named "no config.json in draft directory X" for a folder that is not
   there (the target's "model directory not found: X" names it as such).
 
@@ -107,3 +108,13 @@ def test_a_daemon_table_with_generation_beside_it_still_loads(tmp_path):
     cfg = load_config(f, env={})
     assert (cfg.model, cfg.max_queue, cfg.temperature) == ("/m", 3, 0.5)
 
+
+@pytest.mark.parametrize("args, stdin", [(["-p", ""], None), (["-p", "  \n"], None), ([], b"\n")])
+def test_dflash_generate_refuses_an_empty_prompt_before_loading(tmp_path, args, stdin):
+    """`dflash generate -p ""` loaded the model, then exited 1 ("Error: empty prompt"); dflash-client
+    refuses it as a bad request (2). Now 2, before any load: the model here does not exist."""
+    out = subprocess.run([sys.executable, "-m", "dflash.engine.cli", "generate", "--model", str(tmp_path / "none"),
+                          *args], capture_output=True, timeout=60, env=_env(), input=stdin,
+                         stdin=subprocess.DEVNULL if stdin is None else None)
+    err = out.stderr.decode().strip()
+    assert out.returncode == 2 and err == "Error: empty prompt: give --prompt TEXT, or pipe it on stdin", err
