@@ -6,8 +6,8 @@ codes: 0 done, 1 the job failed, 2 usage or bad request (including `--endpoint "
 from stdin or an argument, that is not UTF-8: refused, never guessed at), 3 no worker / worker died
 (a kept job's error prints the `result` command, with this run's --endpoint, --config and
 --timeout), 4 busy (queue full), 5 no such job (or its result expired) or position
-list, 6 the job was cancelled by someone else (`dflash-client cancel`, another client: the text is
-cut short), 124 the job hit its time limit, 130 Ctrl-C (cancels a `prompt`; `result` only stops
+list, 6 the job was cancelled by someone else (`dflash-client cancel`, another client, or the client
+streaming it went away: the text is cut short), 124 the job hit its time limit, 130 Ctrl-C (cancels a `prompt`; `result` only stops
 waiting), 141 stdout was closed before all was written (`| head`: a `prompt`'s job is cancelled).
 `cache clear` exits 1 when the cache process did not answer (L1 was cleared, L2 was not).
 """
@@ -487,8 +487,8 @@ def _finish(res: Result, as_json: bool, show_stats: bool, text_shown: bool | Non
     if res.finish_reason == "timeout":
         sys.exit(124)
     if res.finish_reason == "cancelled":  # exit 0 let a script take the cut text as the answer
-        click.echo(f"dflash-client: job {res.job_id} was cancelled (dflash-client cancel, or another "
-                   "client): the text is cut short", err=True)
+        click.echo(f"dflash-client: job {res.job_id} was cancelled (dflash-client cancel, another client, "
+                   "or the client streaming it went away): the text is cut short", err=True)
         sys.exit(6)
 
 

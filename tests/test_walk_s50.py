@@ -6,6 +6,8 @@
 - A config file with a `[daemon]` table silently dropped everything beside it but `[generation]`
   (a `[generaton]` typo, a `model` written above the table).
 - `dflash generate -p ""` loaded the model and then exited 1; dflash-client calls it a bad request (2).
+- `dflash-client result ID` of a job cancelled because the client streaming it died blamed
+  `dflash-client cancel` or another client.
 - A mistyped `--draft` was named "no config.json in draft directory X" for a folder that is not
   there (the target's "model directory not found: X" names it as such).
 
@@ -118,3 +120,27 @@ def test_dflash_generate_refuses_an_empty_prompt_before_loading(tmp_path, args, 
                          stdin=subprocess.DEVNULL if stdin is None else None)
     err = out.stderr.decode().strip()
     assert out.returncode == 2 and err == "Error: empty prompt: give --prompt TEXT, or pipe it on stdin", err
+
+
+def test_result_of_a_job_whose_streaming_client_died_says_why_it_was_cancelled(tiny_pair):  # noqa: F811
+    """`dflash-client result ID` for a job whose `prompt` was killed mid-stream (so the worker
+    cancelled it) said "cancelled (dflash-client cancel, or another client)": neither happened."""
+    from daemon_fixtures import running, wait_until
+
+    for d in running(tiny_pair):
+        env = {**_env(), "DFLASH_ENDPOINT": d.endpoint}
+        proc = subprocess.Popen([sys.executable, "-m", "dflash.client.cli", "prompt", "--raw", "-m", "4000",
+                                 "Tell me about the sea."], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                env=env, stdin=subprocess.DEVNULL)
+        try:
+            with d.client(timeout=10) as c:
+                wait_until(lambda: any(j.get("state") == "running" for j in c.jobs()), 60, "a running job")
+                job_id = next(j["job_id"] for j in c.jobs() if j.get("state") == "running")
+                proc.stdout.read(1)  # it streams
+        finally:
+            proc.kill()
+            proc.wait()
+        out = subprocess.run([sys.executable, "-m", "dflash.client.cli", "result", job_id], capture_output=True,
+                             text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
+        assert out.returncode == 6, (out.returncode, out.stderr)
+        assert out.stderr.strip().endswith("or the client streaming it went away): the text is cut short"), out.stderr
