@@ -356,6 +356,7 @@ def batch_generate(
     # prefill: the LM head on the last row only ([B, width, vocab] logits would be gigabytes)
     tm = TargetModel(model, [])
     y = pick(tm.lm_head(tm.inner(toks, cache=cache)[:, -1:]))
+    mx.async_eval(y)  # on its own, so its attention reads are done before the first step writes
     done = mx.zeros((len(prompts),), mx.bool_)
     steps: list[mx.array] = []
     for i in range(max_new_tokens):
@@ -363,7 +364,16 @@ def batch_generate(
         done = done | mx.any(y[:, None] == stops[None], axis=-1)
         if i + 1 == max_new_tokens:
             break
-        y = pick(model(y[:, None], cache=cache))
+        y = pick(model(y[:, None], cache=cache))  # the graph only: built while the last step runs
+        # Each step writes its token into every layer's cache buffer (a slice update), in place
+        # only when nothing else holds that buffer; until the last step's work has finished, its
+        # attention reads (kept alive as the stream's temporaries) still do, and MLX then copies
+        # the whole buffer: every layer's KV once more per step in flight. A GPU runs steps
+        # ahead (MLX lets ~10 commits of ~100 kernels each be pending): the likely cause of the
+        # peak of 2.6x the KV that session 35's probe measured on an H200 (genmem_probe.py). So
+        # the step is scheduled only once the last one has finished: one KV, the same tokens
+        # (tests/test_genmem_s50.py).
+        mx.synchronize()
         mx.async_eval(y, done)
         if (i + 1) % check_every == 0 and bool(mx.all(done).item()):
             break
