@@ -464,14 +464,15 @@ def result(client: DFlashClient, job_id, as_json, show_stats):
         sys.exit(130)
     except E.DFlashError as e:
         _fail(e)
-    _finish(res, as_json, show_stats, text_shown=False)
+    _finish(res, as_json, show_stats, text_shown=False, waited=True)
 
 
 def _finish(res: Result, as_json: bool, show_stats: bool, text_shown: bool | None,
-            plain: dict | None = None) -> None:
+            plain: dict | None = None, waited: bool = False) -> None:
     """Print a finished job (its text unless already streamed, or one JSON object; the stats line
     and the plain comparison on stderr) and exit 124 when it hit its time limit. `text_shown`:
-    True streamed (a newline ends it), None streamed and ended, False print it now."""
+    True streamed (a newline ends it), None streamed and ended, False print it now. `waited`: a
+    `result`, which another client streamed (its going away cancels the job too)."""
     if as_json:
         out = {"job_id": res.job_id, "text": res.text, "token_ids": res.token_ids,
                "finish_reason": res.finish_reason, "stats": res.stats}
@@ -487,8 +488,9 @@ def _finish(res: Result, as_json: bool, show_stats: bool, text_shown: bool | Non
     if res.finish_reason == "timeout":
         sys.exit(124)
     if res.finish_reason == "cancelled":  # exit 0 let a script take the cut text as the answer
-        click.echo(f"dflash-client: job {res.job_id} was cancelled (dflash-client cancel, another client, "
-                   "or the client streaming it went away): the text is cut short", err=True)
+        who = ("dflash-client cancel, another client, or the client streaming it went away" if waited
+               else "dflash-client cancel, or another client")
+        click.echo(f"dflash-client: job {res.job_id} was cancelled ({who}): the text is cut short", err=True)
         sys.exit(6)
 
 

@@ -53,6 +53,17 @@ def test_the_bundled_draft_is_found():
     assert "engine/drafts/SmolLM2-135M-Instruct-DFlash/" + INDEX in INDEXES
 
 
+DRAFT_FOLDERS = sorted({p.rsplit("/", 1)[0] for p in COMMITTED
+                        if p.endswith("/config.json") and _must_hold_weights(p.rsplit("/", 1)[0])})
+
+
+@pytest.mark.parametrize("folder", DRAFT_FOLDERS)
+def test_a_draft_folder_has_weights_indexed_or_not(folder: str):
+    """A draft folder with one unindexed model.safetensors, or none and no index either."""
+    weights = [p for p in COMMITTED if p.startswith(folder + "/") and p.endswith(".safetensors")]
+    assert weights, f"{folder} holds a config.json but git holds no .safetensors there"
+
+
 @pytest.mark.parametrize("index_path", INDEXES)
 def test_a_draft_folder_holds_every_shard_or_is_a_record(index_path: str):
     folder = index_path.rsplit("/", 1)[0]
