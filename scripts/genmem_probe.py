@@ -2,7 +2,7 @@
 
 Session 34's data phase ran an 80 GB H100 out of memory at 2,048 rows (the H200's 141 GB had
 held it). The fix (engine/training/data.py) allocates each batch's KV cache once at its whole
-length, hands it back between batches and cuts batches to half the GPU's memory; `--old-growth`
+length, hands it back between batches and cuts batches to fit the GPU's memory; `--old-growth`
 replays the 256-slot growth it replaced, to show the difference on the same machine. Random
 weights of the target's shape (no stop token: every row decodes all --max-new tokens, the worst
 case), so only the MLX wheels need staging:
@@ -41,6 +41,9 @@ def main() -> None:
     ap.add_argument("--old-growth", action="store_true", help="the 256-slot growth, no clear_cache")
     ap.add_argument("--no-sync", action="store_true",
                     help="schedule each step while the last one runs (the loop before session 50)")
+    ap.add_argument("--ragged", action="store_true",
+                    help="prompts of a quarter of the width up to the width (left padding, as the data "
+                         "phase has; session 50: 2,048 such rows of 81 peaked at 2.9x the KV)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     mx.random.seed(0)  # the same random weights every run: the token hashes compare across runs
@@ -65,10 +68,11 @@ def main() -> None:
         data.mx = _NoSync()
     per_token, base = data.kv_bytes_per_token(model), mx.get_active_memory()
     report = {"device": mx.device_info(), "rows": a.rows, "max_new": a.max_new,
-              "old_growth": a.old_growth, "no_sync": a.no_sync, "kv_bytes_per_token": per_token,
+              "old_growth": a.old_growth, "no_sync": a.no_sync, "ragged": a.ragged, "kv_bytes_per_token": per_token,
               "kv_budget_gib": round(data.kv_budget_bytes() / 2**30, 2), "batches": []}
     for width in (int(w) for w in a.widths.split(",")):
-        prompts = [[(i * 7 + j) % 4000 + 1 for j in range(width)] for i in range(a.rows)]
+        lengths = [width - (i * 13) % (3 * width // 4) if a.ragged else width for i in range(a.rows)]
+        prompts = [[(i * 7 + j) % 4000 + 1 for j in range(n)] for i, n in enumerate(lengths)]
         mx.reset_peak_memory()
         t0, error, tokens = time.perf_counter(), None, None
         try:

@@ -28,7 +28,7 @@
 #   DATA_FLAGS=...  train-draft flags for the data phase and the train phase alike (they make and
 #                   read the same cache), e.g. "--dtype float32 --sampled-responses 0"
 #   GEN_BATCH=2048  rows a generation batch (data phase and train phase alike; batches are
-#                   also cut to half the GPU's memory, engine/training/data.py)
+#                   also cut to fit the GPU: 0.9 of its memory over 3x the KV, engine/training/data.py)
 #   PACKDATA=1      bring the data cache back (0: the cache did not change, DATA=0)
 #   ARM_B="FLAGS"   an A/B train phase instead: two arms from the staged draft at once, arm 0 with
 #                   ARM_A's extra train-draft flags (default none), arm 1 with ARM_B's, BUDGET each

@@ -128,3 +128,26 @@ def test_same_tokens_as_one_row_at_a_time():
     batched = data.batch_generate(m, prompts, 24, [])
     for p, row in zip(prompts, batched):
         assert data.batch_generate(m, [p], 24, []) == [row]
+
+
+def test_the_kv_budget_leaves_room_for_the_measured_gpu_peak(monkeypatch):
+    """Session 50's H100 probe (committed under benchmark/training/campaign/session50/probe/): the
+    worst measured batch, 2,048 rows of prompts of 21-81 tokens, peaked at 2.9x its KV cache. A
+    batch cut to kv_budget_bytes() must peak inside the GPU with that factor; the old budget (half
+    the GPU for the KV alone) did not, and that batch faulted on the loop before (Xid 31)."""
+    import json
+    from pathlib import Path
+
+    probe = Path(__file__).resolve().parents[1] / "benchmark/training/campaign/session50/probe"
+    worst = max((json.loads(p.read_text()) for p in probe.glob("*.json")),
+                key=lambda r: r["batches"][0]["peak_over_kv"])
+    factor, total = worst["batches"][0]["peak_over_kv"], worst["device"]["total_memory"]
+    assert factor > 2.5 and worst["rows"] == 2048  # the ragged batch (c-ragged81-genmem_2048.json)
+    monkeypatch.setattr(data, "device_memory", lambda _mx: (total, "total_memory"))
+    monkeypatch.setattr(data.mx, "get_active_memory", lambda: 0)
+    budget = data.kv_budget_bytes()
+    assert budget * factor <= 0.95 * total
+    assert 0.5 * total * factor > total  # what the old budget allowed: past the GPU
+    per_token = worst["kv_bytes_per_token"]
+    rows = data.rows_that_fit(81, 512, per_token, budget, 2048)
+    assert 1024 < rows < 2048  # an H100 cuts that batch a little; it still runs wide

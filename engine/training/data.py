@@ -288,13 +288,24 @@ def kv_bytes_per_token(model: Any) -> int:
     return 2 * len(getattr(model, "layers", [])) * kv_heads * head_dim * weights_dtype(model).size
 
 
-def kv_budget_bytes(share: float = 0.5) -> int:
-    """Device memory a generation batch's KV cache may take: `share` of the GPU's memory less
-    what is already in use (the model), 0 (no cap) where MLX reports no size (the CPU)."""
+# A generation batch's peak memory on a GPU over its KV cache's size, measured (session 50, an
+# H100, SmolLM2's shape, 512 new tokens, scripts/genmem_probe.py): 2.0x at 256 rows and 2.3x at
+# 2,048 rows of one width; 2.8x and 2.9x at 1,024 and 2,048 rows of prompts of 21-81 tokens
+# (left padding, as the data phase has). 2,048 such rows peaked at 75 GiB of the H100's 80; the
+# loop before batch_generate's per-step sync went past that and faulted (an illegal memory
+# access, Xid 31: session 49's data phase at 2,048 rows). KV caches were budgeted at half the
+# GPU's memory, which at 2.9x is 1.45 times the GPU.
+GPU_PEAK_OVER_KV = 3.0
+
+
+def kv_budget_bytes(usable: float = 0.9) -> int:
+    """Device memory a generation batch's KV cache may take: `usable` of the GPU's memory over
+    the measured peak per KV byte (GPU_PEAK_OVER_KV), less what is already in use (the model);
+    0 (no cap) where MLX reports no size (the CPU)."""
     found = device_memory(mx)
     if found is None:
         return 0
-    return max(int(share * found[0]) - mx.get_active_memory(), 0)
+    return max(int(usable * found[0] / GPU_PEAK_OVER_KV) - mx.get_active_memory(), 0)
 
 
 def rows_that_fit(width: int, max_new_tokens: int, per_token: int, budget: int, want: int) -> int:
