@@ -516,8 +516,8 @@ def status(config_path, as_json, **flags):
         click.echo(f"dflashd: {st['state']} at {info['endpoint']}{error}")
         click.echo(f"  supervisor {f'pid {sup}' if sup else 'none'}, worker pid {st['pid']}, up {st['uptime_s']:.0f}s,"
                    f" restarts {st['restarts']}")
-        if _model_words(model):
-            click.echo(f"  {_model_words(model)}")
+        if serving := _model_words(model):
+            click.echo(f"  {serving}")
         from dflash.client.cli import cache_lines, store_notes
 
         for note in store_notes(st):
