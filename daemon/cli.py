@@ -133,7 +133,7 @@ def _refuse_endpoints(cfg: DaemonConfig, problem_of: Callable[[str], str | None]
 def _check_ports(cfg: DaemonConfig) -> None:
     """Refuse (exit 2) a tcp:// endpoint the worker or the cache could not bind, an ipc://
     socket another process serves, and a cache_dir a cache process of no daemon uses (another
-    daemon's supervisor is refused at _claim_cache_dir). Run after the orphans a dead supervisor
+    daemon's supervisor is refused at _claim). Run after the orphans a dead supervisor
     left are stopped: a port, socket or folder one of them held is ours to take."""
     _refuse_endpoints(cfg, tcp_problem)
     _refuse_endpoints(cfg, ipc_in_use)
@@ -141,21 +141,20 @@ def _check_ports(cfg: DaemonConfig) -> None:
         raise BadConfig(cache_dir_problem(cfg.cache_path(), "another cache process"))
 
 
-def _claim_cache_dir(cfg: DaemonConfig) -> IO[str] | None:
-    """Claim the cache_dir for the daemon this start starts (supervisor.claim_cache_dir), before
-    the checks: of two starts at the same instant, the second is refused here (exit 2, naming
-    the first) having touched nothing of the first's; both used to pass the checks. None: cache
-    off, or a folder that cannot be made (the cache process says why; the daemon serves L1)."""
-    if not cfg.cache:
-        return None
+def _claim(cfg: DaemonConfig) -> IO[str] | None:
+    """Claim the daemon this start starts (supervisor.claim_daemon: the cache_dir, or with the
+    cache off the runtime_dir), before the checks: of two starts at the same instant, the second
+    is refused here (exit 1 for the same daemon, 2 naming another one on the cache_dir) having
+    touched nothing of the first's; both used to pass the checks. None: a cache_dir that cannot
+    be made (the cache process says why; the daemon serves L1)."""
+    lock = supervisor.claim_file(cfg)
     try:
-        claim = supervisor.claim_cache_dir(cfg)
+        claim = supervisor.claim_daemon(cfg)
     except OSError:
         return None
     if claim is None:
-        owner = supervisor.cache_dir_owner(cfg.cache_path()) or {}
-        if owner.get("runtime_dir") == str(cfg.runtime_path()):  # this daemon, started twice at once
-            lock = cfg.cache_path() / supervisor.CACHE_OWNER
+        owner = supervisor.claim_owner(lock) or {}
+        if not cfg.cache or owner.get("runtime_dir") == str(cfg.runtime_path()):  # this daemon, twice at once
             raise click.ClickException(f"dflashd is already running or starting at {cfg.resolved_endpoint()} "
                                        f"(pid {owner.get('supervisor_pid')} holds {lock})")
         who = (f"the daemon at {owner['endpoint']} (runtime_dir {owner.get('runtime_dir')})"
@@ -358,7 +357,7 @@ def start(config_path, foreground, wait_s, **flags):
                                    + (f", serving {serving}" if serving else "")
                                    + ": `dflashd restart` with your flags replaces it, `dflashd stop` ends it")
     _check_places(cfg)
-    claim = _claim_cache_dir(cfg)  # held from here on by this process, then by the supervisor
+    claim = _claim(cfg)  # held from here on by this process, then by the supervisor
     orphans = _stop_orphans(cfg)  # they would hold the locks the new children need
     if orphans:
         click.echo("stopped what a dead supervisor left running: " + ", ".join(orphans), err=True)
@@ -369,7 +368,7 @@ def start(config_path, foreground, wait_s, **flags):
     log_dir = paths.private_dir(cfg.log_path())
     log = open(log_dir / "dflashd.log", "ab")
     os.fchmod(log.fileno(), 0o600)  # one an older version made 0644
-    handover = ["--cache-owner-fd", str(claim.fileno())] if claim is not None else []
+    handover = ["--claim-fd", str(claim.fileno())] if claim is not None else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "dflash.daemon.supervisor", "--config-json", cfg.to_json(), *handover],
         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -394,7 +393,7 @@ def start(config_path, foreground, wait_s, **flags):
 def _run_foreground(cfg: DaemonConfig, claim: IO[str] | None) -> NoReturn:
     """Run the supervisor attached (systemd, launchd) and exit with its code. A model that fails to
     load ends it with 2 and the reason (exit_on_load_failure), so the service manager shows a
-    failure instead of a daemon idling in the "failed" state. `claim`: the cache_dir's, kept."""
+    failure instead of a daemon idling in the "failed" state. `claim`: the daemon's (_claim), kept."""
     rc, reason = supervisor.run_attached(dataclasses.replace(cfg, exit_on_load_failure=True), claim)
     if rc and reason:
         click.echo(f"dflashd: {reason}", err=True)

@@ -9,10 +9,12 @@ process that exits 3 (another cache process holds its cache_dir) is started agai
 backoff (up to restart_backoff_max_s), so it takes the folder over once the other one stops;
 until then its reason, with "retrying", is what `dflashd status` shows.
 While it runs with `cache` on, the supervisor also holds `dflashd.lock` in the cache_dir, which
-names its endpoint and runtime_dir (`cache_dir_owner`): a second daemon given the same cache_dir
+names its endpoint and runtime_dir (`claim_owner`): a second daemon given the same cache_dir
 is refused at `dflashd start` with that name instead of serving without its L2. `dflashd start`
-takes that lock itself before its checks and hands it over (`--cache-owner-fd`), so of two
-daemons started at the same instant only one can pass them (`claim_cache_dir`).
+takes that lock itself before its checks and hands it over (`--claim-fd`), so of two
+daemons started at the same instant only one can pass them (`claim_daemon`). With `cache` off
+the claim is `start.lock` in the runtime_dir instead (`claim_file`): the same daemon started
+twice at once is refused just the same, before either start touches the other's sockets.
 A child that exits on an error it can name (a bad config, an unusable cache_dir, a model that
 failed to load under `exit_on_load_failure`) logs it and writes it, one line, to the file named
 in $DFLASH_EXIT_REASON_FILE (`<runtime dir>/<child>.exit-reason`, `write_exit_reason`); the
@@ -54,6 +56,7 @@ SETTLED_S = 5.0  # a child up this long got past its start-up checks: its predec
 REASON_ENV = "DFLASH_EXIT_REASON_FILE"
 LOCK, PID_FILE, STATE_FILE = "supervisor.lock", "supervisor.pid", "supervisor.json"
 CACHE_OWNER = "dflashd.lock"  # in the cache_dir: held by the supervisor whose cache process uses it
+START_OWNER = "start.lock"  # in the runtime_dir: the claim of a daemon with the cache off (claim_file)
 RETRYING = "retrying until it is free"
 
 
@@ -85,9 +88,9 @@ def _children(cfg: DaemonConfig) -> list[Child]:
 
 
 class Supervisor:
-    def __init__(self, cfg: DaemonConfig, cache_claim: IO[str] | None = None):
+    def __init__(self, cfg: DaemonConfig, claim: IO[str] | None = None):
         self.cfg = cfg
-        self.cache_claim = cache_claim  # dflashd.lock as `dflashd start` claimed it (None: claim it here)
+        self.claim = claim  # claim_file(cfg) as `dflashd start` claimed it (None: claim it here)
         self.stop = threading.Event()
         self.children = _children(cfg)
         self.run_dir = paths.private_dir(cfg.runtime_path())
@@ -153,7 +156,7 @@ class Supervisor:
             log.error("another supervisor holds %s", self.run_dir / LOCK)
             return 3
         (self.run_dir / PID_FILE).write_text(str(os.getpid()))
-        owner = self._own_cache_dir()
+        owner = self._own_claim()
         self._write_state()  # replaces any state a dead supervisor left
         # Only this process holds the write end (not inherited): its death closes the pipe.
         self._lifeline, keep = os.pipe()
@@ -177,14 +180,12 @@ class Supervisor:
         worker = self.children[0]
         return worker.last_rc if worker.last_rc in FATAL_CODES else 0
 
-    def _own_cache_dir(self) -> IO[str] | None:
-        """`dflashd.lock` in the cache_dir, held with this daemon's name in it (None: cache off, a
-        folder that cannot be made (the cache process reports why), or another daemon's supervisor
-        holds it: its cache process is then the one that waits)."""
-        if not self.cfg.cache:
-            return None
+    def _own_claim(self) -> IO[str] | None:
+        """claim_file(cfg), held with this daemon's name in it (None: a folder that cannot be made
+        (the cache process reports why), or another daemon's supervisor holds the cache_dir: its
+        cache process is then the one that waits)."""
         try:
-            return claim_cache_dir(self.cfg, self.cache_claim)
+            return claim_daemon(self.cfg, self.claim)
         except OSError:
             return None
 
@@ -203,16 +204,25 @@ class Supervisor:
             c.last_rc = c.proc.returncode
 
 
-def claim_cache_dir(cfg: DaemonConfig, held: IO[str] | None = None, wait_s: float = 0.5) -> IO[str] | None:
-    """Lock `dflashd.lock` in the cache_dir (exclusive) and write this daemon's name into it: the
-    open file, to keep for the daemon's whole life (the kernel drops the lock when its last holder
-    dies: no stale claims), or None when another process holds it. `held` is a claim taken earlier
-    (by `dflashd start`, inherited): it is ours already and gets this process's pid. Retries for
+def claim_file(cfg: DaemonConfig) -> Path:
+    """The lock a daemon's supervisor holds for its whole life, taken by `dflashd start` before its
+    checks: `dflashd.lock` in the cache_dir (it also keeps a second daemon off that folder), or,
+    with the cache off, `start.lock` in the runtime_dir (there was no claim then, and two starts
+    of the same daemon at once both passed the checks)."""
+    return cfg.cache_path() / CACHE_OWNER if cfg.cache else cfg.runtime_path() / START_OWNER
+
+
+def claim_daemon(cfg: DaemonConfig, held: IO[str] | None = None, wait_s: float = 0.5) -> IO[str] | None:
+    """Lock claim_file(cfg) (exclusive) and write this daemon's name into it: the open file, to
+    keep for the daemon's whole life (the kernel drops the lock when its last holder dies: no
+    stale claims), or None when another process holds it. `held` is a claim taken earlier (by
+    `dflashd start`, inherited): it is ours already and gets this process's pid. Retries for
     `wait_s`: a `lock_held` probe (`dflashd status`, a start) holds it for an instant. Raises
     OSError for a folder or file that cannot be made."""
     if held is None:
-        cfg.cache_path().mkdir(parents=True, exist_ok=True)
-        held = os.fdopen(os.open(cfg.cache_path() / CACHE_OWNER, os.O_RDWR | os.O_CREAT, 0o600), "r+")
+        path = claim_file(cfg)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        held = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o600), "r+")
     end = time.monotonic() + wait_s
     while True:
         try:
@@ -298,10 +308,9 @@ def lock_held(path: Path) -> bool:
         os.close(fd)  # also drops the probe's own lock
 
 
-def cache_dir_owner(cache_dir: Path) -> dict | None:
-    """The daemon whose supervisor uses `cache_dir` ({"endpoint", "runtime_dir", "supervisor_pid"};
-    {} when one holds it but its name cannot be read), None when no running daemon does."""
-    path = cache_dir / CACHE_OWNER
+def claim_owner(path: Path) -> dict | None:
+    """The daemon whose supervisor holds the claim `path` (claim_daemon: {"endpoint", "runtime_dir",
+    "supervisor_pid"}; {} when one holds it but its name cannot be read), None when none does."""
     if not lock_held(path):
         return None
     try:
@@ -414,13 +423,13 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def run_attached(cfg: DaemonConfig, cache_claim: IO[str] | None = None) -> tuple[int, str | None]:
+def run_attached(cfg: DaemonConfig, claim: IO[str] | None = None) -> tuple[int, str | None]:
     """Run a supervisor in this process until it stops: its exit code and, when a fatal exit of
     the worker ended it, the worker's reason (`dflashd start --foreground` prints it).
-    `cache_claim`: dflashd.lock as `dflashd start` claimed it (claim_cache_dir)."""
+    `claim`: claim_file(cfg) as `dflashd start` claimed it (claim_daemon)."""
     paths.private_umask()  # its files, and (inherited) its children's
     logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor[%(process)d] %(levelname)s %(message)s")
-    sup = Supervisor(cfg, cache_claim)
+    sup = Supervisor(cfg, claim)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: sup.stop.set())
     rc = sup.run()
@@ -430,13 +439,13 @@ def run_attached(cfg: DaemonConfig, cache_claim: IO[str] | None = None) -> tuple
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dflash.daemon.supervisor")
     ap.add_argument("--config-json", required=True)
-    ap.add_argument("--cache-owner-fd", type=int, default=None,
-                    help="an inherited fd of <cache_dir>/dflashd.lock, claimed by `dflashd start`")
+    ap.add_argument("--claim-fd", type=int, default=None,
+                    help="an inherited fd of the daemon's claim (claim_file), taken by `dflashd start`")
     args = ap.parse_args(argv)
     claim = None
-    if args.cache_owner_fd is not None:
-        os.set_inheritable(args.cache_owner_fd, False)  # the supervisor's alone, not its children's
-        claim = os.fdopen(args.cache_owner_fd, "r+")
+    if args.claim_fd is not None:
+        os.set_inheritable(args.claim_fd, False)  # the supervisor's alone, not its children's
+        claim = os.fdopen(args.claim_fd, "r+")
     return run_attached(DaemonConfig.from_json(args.config_json), claim)[0]
 
 
