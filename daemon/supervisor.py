@@ -221,7 +221,10 @@ def claim_daemon(cfg: DaemonConfig, held: IO[str] | None = None, wait_s: float =
     OSError for a folder or file that cannot be made."""
     if held is None:
         path = claim_file(cfg)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if cfg.cache:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        else:  # the runtime_dir, made private as the supervisor makes it (its parents too)
+            paths.private_dir(path.parent)
         held = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o600), "r+")
     end = time.monotonic() + wait_s
     while True:
