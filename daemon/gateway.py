@@ -96,6 +96,9 @@ _ENDPOINT = re.compile(r"\b(?:ipc|tcp|inproc)://[^\s'\"()\[\],;]*[^\s'\"()\[\],;
 _PATH = re.compile(r"(?<![\w/.:<>-])~?(?:\.{1,2})?/[^\s'\"()\[\],;]*[^\s'\"()\[\],;:.]")
 
 
+_MAX_TOKENS_WORD = re.compile(r"\bmax_tokens\b")
+
+
 def redact(message: str) -> str:
     """A daemon message with its endpoints and filesystem paths replaced: they describe this
     host, not the request, and an HTTP client (maybe remote) has no use for them."""
@@ -115,13 +118,18 @@ def api_error_from(e: E.DFlashError, req: S.GenRequest | None = None) -> S.ApiEr
 
 def _explain(e: E.DFlashError, message: str, req: S.GenRequest | None) -> str:
     """The daemon's message, with what an HTTP client cannot know: which of the daemon's limits it
-    ran into, and that a max_tokens it never sent came from this server's default."""
+    ran into, that a max_tokens it never sent came from this server's default, and max_tokens by
+    the name the request gave it."""
     if e.code == P.TOO_LARGE:
         return f"the request is too large for the daemon (its max_frame_bytes): {message}; send a shorter prompt"
-    if req is not None and req.max_tokens_param is None and (e.param or S.wire_field(e.message)) == "max_tokens":
+    if req is None or (e.param or S.wire_field(e.message)) != "max_tokens":
+        return message
+    if req.max_tokens_param is None:
         return (f"{message}: the request set no max_tokens, and this server's --default-max-tokens is over the "
                 "daemon's max_tokens_limit; send max_tokens")
-    return message
+    # The daemon's word is its own field; a chat that set max_completion_tokens (maybe beside a
+    # max_tokens that was fine) read "max_tokens must be in 1..N" about a value it never sent there.
+    return _MAX_TOKENS_WORD.sub(req.max_tokens_param, message, count=1)
 
 
 class BodyTimeout(asyncio.TimeoutError):

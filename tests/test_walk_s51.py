@@ -1,0 +1,39 @@
+"""Session 51's walk through docs/gateway.md with a real model: each test is a step where the
+gateway did not do what the docs say. A real daemon (tiny real pair), a real `dflash serve`
+process, raw HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import pytest
+from daemon_fixtures import running, tiny_pair  # noqa: F401
+from test_gateway import KEY, MSGS, Gateway, _error, pair  # noqa: F401
+
+LIMIT = 64  # the daemon's max_tokens_limit here
+
+
+@pytest.fixture(scope="module")
+def daemon(pair):  # noqa: F811
+    yield from running(pair, verify_window="full", max_tokens_limit=LIMIT)
+
+
+@pytest.fixture(scope="module")
+def gw(daemon):
+    with Gateway(daemon, "--api-key", KEY, "--default-max-tokens", "16") as g:
+        yield g
+
+
+def test_max_completion_tokens_over_the_limit_is_named_as_sent(gw):
+    """A chat that set max_completion_tokens past the daemon's limit (beside a max_tokens that was
+    fine) read "max_tokens must be in 1..64, got 1000": a field it set to 5. The message names
+    the field as `param` does."""
+    body = {"messages": MSGS, "max_tokens": 5, "max_completion_tokens": 1000}
+    status, _, raw = gw.http("POST", "/v1/chat/completions", body)
+    err = _error(status, raw)
+    assert (status, err["code"], err["param"]) == (400, "bad_request", "max_completion_tokens")
+    assert err["message"].startswith(f"max_completion_tokens must be in 1..{LIMIT}, got 1000"), err["message"]
+    assert "max_tokens" not in err["message"].replace("max_completion_tokens", ""), err["message"]
+    # max_tokens alone keeps its own name
+    status, _, raw = gw.http("POST", "/v1/chat/completions", {"messages": MSGS, "max_tokens": 1000})
+    err = _error(status, raw)
+    assert err["param"] == "max_tokens" and err["message"].startswith("max_tokens must be in"), err
+
