@@ -51,6 +51,7 @@ class Compute:
         self.pair: Any = None
         self.prefix_cache: Any = None  # dflash.cache.tiers.PrefixCache when cfg.cache
         self.vocab_size = 0
+        self.dtype: str | None = None  # the loaded weights' (or --dtype's) dtype name
         self.context_tokens = 0  # the target's context length once loaded (0: it declares none)
         # what earlier jobs' verify windows measured, greedy and sampled apart (engine/window.py)
         self.window_memory: dict[bool, Any] = {}
@@ -108,11 +109,14 @@ class Compute:
     def _load(self) -> None:
         try:
             from dflash.engine.generate import context_tokens
-            from dflash.engine.loading import load_pair
+            from dflash.engine.loading import load_pair, main_dtype
 
             pair = load_pair(self.cfg.model, self.cfg.draft, dtype=self.cfg.dtype)
             _check_window(self.cfg, pair)  # before self.pair: a pair that fails it runs no job
             self.pair = pair
+            # What the weights are, not only a --dtype: with none, `models` said null (the
+            # gateway's /v1/models "dtype": null) for whatever the checkpoint holds.
+            self.dtype = self.cfg.dtype or main_dtype(pair.target.model)
             self.vocab_size = int(self.pair.target.vocab_size)
             self.context_tokens = context_tokens(self.pair.target)
             log.info("loaded %s with draft %s", self.pair.model_path, self.pair.draft_path)
@@ -424,7 +428,7 @@ class Compute:
             "draft": self.pair.draft_path,
             "block_size": self.pair.drafter.block_size,
             "vocab_size": self.vocab_size,
-            "dtype": self.cfg.dtype,
+            "dtype": self.dtype,
         }
 
 

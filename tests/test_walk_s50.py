@@ -53,14 +53,14 @@ def test_status_names_the_model_and_a_second_start_says_what_runs(tiny_pair, dir
         text = _run("dflash.daemon.cli", "status", *dirs)
         assert text.returncode == 0, text.stderr
         lines = text.stdout.splitlines()
-        assert lines[2] == f"  model {model} (draft {draft})", text.stdout  # after the pids, before the accelerator
+        assert lines[2] == f"  model {model} (draft {draft}, dtype float32)", text.stdout  # after the pids, before the accelerator
         st = json.loads(_run("dflash.daemon.cli", "status", "--json", *dirs).stdout)
         assert st["model"]["model"] == model and st["model"]["draft"] == draft and st["model"]["loaded"] is True
         again = _run("dflash.daemon.cli", "start", "--model", model + "-other", *dirs)
         assert again.returncode == 1, again.stderr
         err = again.stderr.strip()
         assert err.startswith("Error: dflashd is already running at ipc://"), err
-        assert f"serving model {model} (draft {draft})" in err and "`dflashd restart`" in err, err
+        assert f"serving model {model} (draft {draft}, dtype float32)" in err and "`dflashd restart`" in err, err
         assert "\n" not in err and "Traceback" not in again.stderr
     finally:
         stop = _run("dflash.daemon.cli", "stop", *dirs)

@@ -4,6 +4,8 @@ process, raw HTTP on 127.0.0.1."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from daemon_fixtures import running, tiny_pair  # noqa: F401
 from test_gateway import KEY, MSGS, Gateway, _error, pair  # noqa: F401
@@ -37,3 +39,13 @@ def test_max_completion_tokens_over_the_limit_is_named_as_sent(gw):
     err = _error(status, raw)
     assert err["param"] == "max_tokens" and err["message"].startswith("max_tokens must be in"), err
 
+
+def test_models_say_the_loaded_dtype(gw, pair):  # noqa: F811
+    """/v1/models' `dflash` map has a dtype (docs/gateway.md); with no --dtype it was null, though
+    the weights are in one. Now it is the loaded target's, the same `dflashd start` would name."""
+    from dflash.engine.loading import load_pair, main_dtype
+
+    status, _, raw = gw.http("GET", "/v1/models")
+    assert status == 200
+    row = json.loads(raw)["data"][0]["dflash"]
+    assert row["dtype"] == main_dtype(load_pair(*pair).target.model) and row["dtype"], row
