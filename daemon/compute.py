@@ -296,11 +296,14 @@ class Compute:
         except ValueError as e:
             return P.Error(code=P.BAD_REQUEST, message=str(e), job_id=job.job_id, param="verify_window"), "error"
 
-        def should_cancel() -> bool:  # between decode cycles: prefill's snapshots are all taken
-            self._run_tasks()
+        def cancelled() -> bool:  # between prefill chunks too: a long prompt's prefill took minutes
             if job.expired():
                 job.request_cancel("timeout")
             return job.cancel.is_set()
+
+        def should_cancel() -> bool:  # between decode cycles: prefill's snapshots are all taken
+            self._run_tasks()
+            return cancelled()
 
         # Resolved when the job was accepted; a job persisted by a version-1 worker has none
         # (greedy, as that version promised).
@@ -318,6 +321,7 @@ class Compute:
             stop=req.get("stop") or (),
             kv_bits=self.cfg.kv_bits,
             should_cancel=should_cancel,
+            prefill_cancel=cancelled,
             prefix_cache=caching.for_policy(self.prefix_cache, policy),
             verify_window=window,
             window_memory=self._window_memory(not sampling.get("temperature")),  # greedy or sampled

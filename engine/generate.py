@@ -101,6 +101,7 @@ def stream_dflash_generate(
     prompt_tokens_override: Sequence[int] | None = None,
     prompt_token_positions: Sequence[int] | None = None,
     should_cancel: Callable[[], bool] | None = None,
+    prefill_cancel: Callable[[], bool] | None = None,
     prefix_cache: Any | None = None,
     verify_window: str | int = "auto",
     temperature: float = 0.0,
@@ -146,6 +147,9 @@ def stream_dflash_generate(
     tokens that followed them instead of the model's draft, whichever window.py expects to give
     more tokens per unit of time (no draft pass at all). Deterministic proposals (q one-hot
     under sampling): like the window, it never changes the output or its distribution.
+
+    should_cancel: asked before each cycle, and (unless prefill_cancel is given) between prefill
+    chunks: a cancel there ends with no token, finish_reason "cancelled".
 
     prefix_cache (e.g. dflash.cache.tiers.PrefixCache; refused with sparse prefill): resume
     from the longest stored prefix of the prompt and store snapshots of this prompt's prefill.
@@ -228,7 +232,14 @@ def stream_dflash_generate(
     start, logits = (0, None) if session is None else session.restore()
     stats.cached_prompt_tokens = start
     if start < len(ids):  # a whole-prompt hit restored the last logits: no forward needed
-        logits = _prefill(target, drafter, caches, ids, prefill_chunk, positions, start, session)
+        logits = _prefill(target, drafter, caches, ids, prefill_chunk, positions, start, session,
+                          should_cancel if prefill_cancel is None else prefill_cancel)
+    if logits is None:  # cancelled between prefill chunks: no token, and the snapshots taken kept
+        stats.ttft_s = stats.total_s = time.perf_counter() - t_start
+        stats.finish_reason = "cancelled"
+        stats.peak_memory_gb = _peak_memory_gb()
+        yield Finished("", [], stats)
+        return
     rollback.quantize_kv(caches, kv_bits, kv_group_size)
     last = logits[0, -1] if procs is None else procs(logits[0, -1:], len(ids))[0]
     if keys is None:
@@ -619,8 +630,11 @@ def _prefill(
     positions: list[int] | None = None,
     start: int = 0,
     session: PrefixSession | None = None,
-) -> mx.array:
-    """Run ids[start:] through the target in chunks, feeding captured features to the draft.
+    cancelled: Callable[[], bool] | None = None,
+) -> mx.array | None:
+    """Run ids[start:] through the target in chunks, feeding captured features to the draft;
+    None when `cancelled` says so between two chunks (a long prompt's prefill took minutes on a
+    CPU, and a cancel or a client's disconnect waited for all of it).
 
     With `positions` (sparse prefill) each contiguous run starts at its true position.
     Dense chunks end on a grid of absolute positions and at the prefix session's marks, where
@@ -643,6 +657,8 @@ def _prefill(
             if end in marks:
                 session.capture(end, logits)
             lo = end
+            if lo < len(ids) and cancelled is not None and cancelled():  # not after the last chunk
+                return None
     return logits
 
 

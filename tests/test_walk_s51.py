@@ -49,3 +49,15 @@ def test_models_say_the_loaded_dtype(gw, pair):  # noqa: F811
     assert status == 200
     row = json.loads(raw)["data"][0]["dflash"]
     assert row["dtype"] == main_dtype(load_pair(*pair).target.model) and row["dtype"], row
+
+
+def test_a_cancel_during_a_long_prefill_stops_it(daemon):
+    """A job is cancelled (a client's disconnect, `cancel`, its timeout) between prefill chunks
+    too, not only between decode cycles: a 4,000-token prompt of SmolLM2 took 70 s on a 2-core
+    CPU, and its disconnected HTTP client's job ran on for all of it. A job already past its
+    timeout_s when it starts now ends in its prefill with no token (it made the first one)."""
+    with daemon.client(timeout=30) as c:
+        r = c.generate([5] * 1000, max_tokens=8, timeout_s=1e-6)
+    assert r.finish_reason == "timeout" and r.token_ids == [] and r.text == "", (r.finish_reason, r.token_ids)
+    with daemon.client(timeout=30) as c:  # and the worker serves on
+        assert c.generate([5] * 1000, max_tokens=4).finish_reason in ("stop", "length")
