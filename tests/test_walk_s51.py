@@ -61,3 +61,16 @@ def test_a_cancel_during_a_long_prefill_stops_it(daemon):
     assert r.finish_reason == "timeout" and r.token_ids == [] and r.text == "", (r.finish_reason, r.token_ids)
     with daemon.client(timeout=30) as c:  # and the worker serves on
         assert c.generate([5] * 1000, max_tokens=4).finish_reason in ("stop", "length")
+
+
+def test_the_seed_reported_is_drawn_only_for_a_sampled_answer(gw):
+    """docs/gateway.md said an absent seed "gets a random one"; a greedy answer draws none and
+    reports null (the docs now say so). Pins the documented behaviour: a doc fix, no code change."""
+    def seed(**extra) -> object:
+        status, _, raw = gw.http("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1, **extra})
+        assert status == 200, raw
+        return json.loads(raw)["dflash"]["sampling"]["seed"]
+
+    assert seed() is None and seed(seed=5) == 5
+    drawn = seed(temperature=0.8)
+    assert isinstance(drawn, int) and 0 <= drawn < 2**64
