@@ -74,3 +74,14 @@ def test_the_seed_reported_is_drawn_only_for_a_sampled_answer(gw):
     assert seed() is None and seed(seed=5) == 5
     drawn = seed(temperature=0.8)
     assert isinstance(drawn, int) and 0 <= drawn < 2**64
+
+
+def test_a_stop_string_over_256_characters_is_refused_as_documented(gw):
+    """docs/gateway.md said only "up to 16 strings"; one of 257 characters is a 400 naming `stop`
+    too (the daemon's rule, docs/protocol.md). Pins the documented limit: a doc fix."""
+    for stop in ("a" * 257, ["b", "a" * 257]):
+        status, _, raw = gw.http("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "stop": stop})
+        err = _error(status, raw)
+        assert (status, err["code"], err["param"]) == (400, "invalid_value", "stop"), err
+    status, _, raw = gw.http("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "stop": "a" * 256})
+    assert status == 200, raw
