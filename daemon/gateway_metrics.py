@@ -41,6 +41,7 @@ class GatewayMetrics:
     cycles: int = 0
     decode_s: float = 0.0
     ttft_s: float = 0.0
+    ttft_jobs: int = 0  # jobs that made a first token (one cancelled during its prefill made none)
     last: dict = field(default_factory=dict)
 
     def request(self, route: str, status: int) -> None:
@@ -58,7 +59,9 @@ class GatewayMetrics:
         self.cycles += int(stats.get("cycles", 0))
         tps = float(stats.get("decode_tps") or 0.0)
         self.decode_s += gen / tps if tps > 0 else 0.0
-        self.ttft_s += float(stats.get("ttft_s") or 0.0)
+        if gen > 0:
+            self.ttft_s += float(stats.get("ttft_s") or 0.0)
+            self.ttft_jobs += 1
         self.last = {k: stats.get(k) for k in ("acceptance", "tokens_per_cycle", "decode_tps", "prefill_tps", "ttft_s")}
 
     def summary(self) -> dict[str, Any]:
@@ -75,7 +78,7 @@ class GatewayMetrics:
             "acceptance": self.accepted_drafts / gen if gen else 0.0,
             "tokens_per_cycle": gen / self.cycles if self.cycles else 0.0,
             "decode_tokens_per_second": gen / self.decode_s if self.decode_s else 0.0,
-            "mean_ttft_s": self.ttft_s / n if n else 0.0,
+            "mean_ttft_s": self.ttft_s / self.ttft_jobs if self.ttft_jobs else 0.0,
             "last_job": self.last,
         }
 

@@ -235,7 +235,7 @@ def stream_dflash_generate(
         logits = _prefill(target, drafter, caches, ids, prefill_chunk, positions, start, session,
                           should_cancel if prefill_cancel is None else prefill_cancel)
     if logits is None:  # cancelled between prefill chunks: no token, and the snapshots taken kept
-        stats.ttft_s = stats.total_s = time.perf_counter() - t_start
+        stats.total_s = time.perf_counter() - t_start  # ttft_s stays 0: there was no first token
         stats.finish_reason = "cancelled"
         stats.peak_memory_gb = _peak_memory_gb()
         yield Finished("", [], stats)

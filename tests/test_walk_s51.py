@@ -59,6 +59,7 @@ def test_a_cancel_during_a_long_prefill_stops_it(daemon):
     with daemon.client(timeout=30) as c:
         r = c.generate([5] * 1000, max_tokens=8, timeout_s=1e-6)
     assert r.finish_reason == "timeout" and r.token_ids == [] and r.text == "", (r.finish_reason, r.token_ids)
+    assert r.stats["ttft_s"] == 0 and r.stats["total_s"] > 0, r.stats  # no first token: no TTFT
     with daemon.client(timeout=30) as c:  # and the worker serves on
         assert c.generate([5] * 1000, max_tokens=4).finish_reason in ("stop", "length")
 
@@ -85,3 +86,16 @@ def test_a_stop_string_over_256_characters_is_refused_as_documented(gw):
         assert (status, err["code"], err["param"]) == (400, "invalid_value", "stop"), err
     status, _, raw = gw.http("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "stop": "a" * 256})
     assert status == 200, raw
+
+
+def test_a_job_with_no_token_is_not_in_the_mean_ttft():
+    """A job cancelled during its prefill made no first token: its time was counted as one in
+    the gateway's mean TTFT (and its 0 now would pull the mean down). Only jobs with a token count."""
+    from dflash.daemon.gateway_metrics import GatewayMetrics
+
+    m = GatewayMetrics()
+    m.job({"generated_tokens": 8, "ttft_s": 0.2, "decode_tps": 20.0}, "length")
+    m.job({"generated_tokens": 0, "ttft_s": 0.0, "total_s": 70.0}, "cancelled")
+    m.job({"generated_tokens": 4, "ttft_s": 0.4, "decode_tps": 20.0}, "stop")
+    s = m.summary()
+    assert s["jobs"] == 3 and abs(s["mean_ttft_s"] - 0.3) < 1e-12, s
