@@ -17,6 +17,7 @@ from dflash.daemon.config import DaemonConfig
 
 from . import errors as E
 from .client import (
+    CANCEL_TIMEOUT_S,
     REFUSED_BELOW,
     SEND,
     Delta,
@@ -168,7 +169,7 @@ class AsyncDFlashClient:
             sock.close(0)
             if running:
                 try:
-                    await self._call(P.Cancel(job_id=sub.job_id), timeout=2.0)
+                    await self._call(P.Cancel(job_id=sub.job_id), timeout=CANCEL_TIMEOUT_S)
                 except (E.DFlashError, asyncio.CancelledError):
                     pass
 

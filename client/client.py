@@ -591,6 +591,15 @@ class DFlashClient:
         self.close()
 
 
+# How long a Stream waits for the answer to its Cancel. close() or cancel(): the caller asked to
+# stop the job, so a live worker busy on a loaded CPU gets 2 s to take it, while a gone one costs
+# at most that. A stream dropped unclosed (__del__: a garbage collection, or interpreter exit)
+# waits only DROPPED_CANCEL_TIMEOUT_S: the worker also cancels a streamed job whose connection
+# goes away, so there the Cancel only makes that immediate, not worth blocking the caller for.
+CANCEL_TIMEOUT_S = 2.0
+DROPPED_CANCEL_TIMEOUT_S = 0.3
+
+
 class Stream:
     """One streamed job on its own socket: an iterator of Delta that ends with `.result` set.
     Nothing is sent and no socket is opened before the first next(), so a stream never iterated
@@ -654,27 +663,37 @@ class Stream:
                 self._started = False
                 raise E.from_reply(reply)
 
-    def cancel(self) -> None:
+    def cancel(self, timeout: float = CANCEL_TIMEOUT_S) -> None:
+        """Cancel the job if it may still run, waiting up to `timeout` seconds for the answer
+        (CANCEL_TIMEOUT_S says why 2 s). Nothing is sent once the stream has seen the job end here
+        (its result, an error reply, the worker's heartbeats stopping), so a stream whose worker
+        is gone returns at once."""
+        timeout = seconds(timeout, "timeout")
         if self._started and self.result is None:
             try:
-                self.client._call(P.Cancel(job_id=self.job_id), timeout=2.0)
+                self.client._call(P.Cancel(job_id=self.job_id), timeout=timeout)
             except E.DFlashError:
                 pass  # already finished, or the worker is gone: nothing left to stop
 
     def close(self) -> None:
         """Cancel the job if it is still running and free the socket; idempotent."""
+        self._close(CANCEL_TIMEOUT_S)
+
+    def _close(self, cancel_timeout: float) -> None:
         if self._closed:
             return
         self._closed = True
-        self.cancel()
+        self.cancel(cancel_timeout)
         if self._sock is not None:
             self._sock.close(0)
 
     def __del__(self) -> None:
-        """A stream dropped mid-job (a `break` out of its loop) cancels the job, as documented."""
+        """A stream dropped mid-job (a `break` out of its loop) cancels the job, as documented,
+        but waits only DROPPED_CANCEL_TIMEOUT_S for the answer: a collection (or interpreter
+        exit) blocked for the whole 2 s when the worker was gone."""
         if not getattr(self, "_closed", True):
             with contextlib.suppress(Exception):
-                self.close()
+                self._close(DROPPED_CANCEL_TIMEOUT_S)
 
     def __enter__(self) -> "Stream":
         return self
