@@ -68,7 +68,7 @@ class DaemonConfig:
     cache: bool = True  # false: no prefix cache and no cache process
     l1_cache_entries: int = 64
     cache_dir: str = ""  # L2 store ("" = <state_dir>/cache)
-    cache_every: int = 256  # snapshot interval (tokens) during prefill
+    cache_every: int = 256  # snapshot interval (tokens) during prefill; doubles past 8 intervals (cache/tiers.py)
     # generation defaults for requests that leave them unset ([generation] in the TOML file)
     temperature: float = 0.0  # 0 = greedy (the engine's lossless mode)
     top_p: float = 1.0  # 1 = off
