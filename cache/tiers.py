@@ -3,7 +3,8 @@
 Snapshots are only ever restored at the exact boundary they were taken at (a recurrent state or
 a wrapped sliding window cannot be cut shorter), so entries are keyed by (identity, the token
 ids of the prefix) and a lookup probes the boundaries a snapshot can exist at, longest first:
-the prompt's own length, lengths of prompts inserted earlier, and every multiple of `every`.
+the prompt's own length, lengths of prompts inserted earlier off the marks, and the marks
+(`snapshot_marks`: every multiple of `every` up to 8 of them, then sparser).
 
 Snapshot objects are opaque here; they need `n_tokens`, `nbytes` and `body()` (the msgpack-able
 map of dflash.cache.snapshot, built cheaply on the caller's thread), and `decode(bytes)` builds
@@ -118,7 +119,7 @@ def snapshot_marks(n_prompt: int, every: int) -> list[int]:
     A snapshot holds the whole prefix, so marks `every` apart cost O(n^2 / every) bytes for one
     prompt: 32 snapshots and ~6.2 GB of KV for an 8,100-token SmolLM2 fp32 prompt, all copied
     on the worker and written to L2 (session 51 saw 8.7 GB of L2 after three long prompts).
-    Doubling the spacing bounds the total at a few times the last snapshot (~2.3 GB there, 16
+    Doubling the spacing bounds the total at ~6.5 times the last snapshot (~2.3 GB there, 16
     snapshots), and a prompt that diverges from a stored one recomputes at most a quarter of
     the shared prefix past DENSE_MARKS * every, under every tokens before it."""
     marks: list[int] = []
@@ -204,7 +205,7 @@ class PrefixCache:
             raise ValueError(f"snapshot holds {snap.n_tokens} tokens, ids has {n}")
         with self._lock:
             self._stats.inserts += 1
-            if n % self.every:
+            if n not in snapshot_marks(n + 1, self.every):  # an end no lookup probes otherwise
                 self._known_ends.pop(n, None)
                 self._known_ends[n] = None
                 if len(self._known_ends) > MAX_KNOWN_ENDS:
@@ -271,9 +272,11 @@ class PrefixCache:
 
     # --- internals -------------------------------------------------------------------------
     def _candidates(self, n: int) -> list[int]:
-        grid = range(self.every, n + 1, self.every)
+        """Lengths a prefix of n tokens can be stored at: n, the marks up to n, the known ends.
+        Only this version's marks: a dense-grid snapshot of an older version (2304 at every 256)
+        would resume with a chunk break a cold run does not have."""
         ends = (e for e in self._known_ends if e <= n)
-        return sorted({n, *grid, *ends}, reverse=True)
+        return sorted({n, *snapshot_marks(n + 1, self.every), *ends}, reverse=True)
 
     def _keys(self, ids: Sequence[int], lengths: list[int]) -> list[str]:
         """One incremental blake2b pass over the ids; a key at each requested length."""

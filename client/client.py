@@ -683,9 +683,11 @@ class Stream:
         if self._closed:
             return
         self._closed = True
-        self.cancel(cancel_timeout)
-        if self._sock is not None:
-            self._sock.close(0)
+        try:
+            self.cancel(cancel_timeout)
+        finally:  # the socket is freed even if the cancel raised (e.g. at interpreter teardown)
+            if self._sock is not None:
+                self._sock.close(0)
 
     def __del__(self) -> None:
         """A stream dropped mid-job (a `break` out of its loop) cancels the job, as documented,

@@ -69,9 +69,9 @@ def test_repeat_hits_l1_then_l2_after_worker_kill9(daemon, client, tiny_pair):  
     st = client.stats()["cache"]
     assert st["l2"]["hits"] == 1 and st["l1"]["hits"] == 0
 
-    # a longer prompt sharing the prefix resumes at the last snapshot boundary it shares (the
-    # restarted worker does not know the earlier prompt's off-grid end; marks every 16, sparser
-    # past 128: cache/tiers.py snapshot_marks)
+    # a longer prompt sharing the prefix resumes at the last snapshot mark it shares (the
+    # restarted worker does not know the earlier prompt's end off the marks; cache/tiers.py
+    # snapshot_marks: every 16 here, sparser past 128 tokens)
     from daemon_fixtures import _REF_PAIR
 
     from dflash.cache.tiers import snapshot_marks

@@ -58,3 +58,17 @@ def test_a_run_resumed_at_a_sparse_mark_matches_a_cold_run(pairs, cache_proc):  
     cold, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, other, 12)
     assert warm.stats.cached_prompt_tokens == marks[-2]
     assert warm.token_ids == cold.token_ids
+
+
+def test_a_prompt_end_on_the_grid_but_off_the_marks_is_found_by_a_longer_prompt():
+    """every=4: 36 is a multiple of 4 but no mark (32, 40, ...). The prompt end stored there is
+    remembered as a known end, so a longer prompt sharing it resumes there; and lookups probe
+    only the marks, so a length on the old dense grid that was never an end is not asked for."""
+    from test_prefix_cache import _tiny_snapshot
+
+    pc = PrefixCache(Identity("t", "d", (1,)), Snapshot.decode, None, every=4)
+    assert 36 not in snapshot_marks(100, 4) and 40 in snapshot_marks(100, 4)
+    ids = list(range(1, 60))
+    pc.insert(ids[:36], _tiny_snapshot(36, 36 * 16))
+    assert pc.lookup(ids[:50])[0] == 36
+    assert 44 not in pc._candidates(50) and 40 in pc._candidates(50)
