@@ -110,7 +110,7 @@ class CacheClient:
             return Found(None, None, _store(reply))
         return Found(key, data, _store(reply))
 
-    def put(self, key: str, data: bytes, wait: bool = False) -> bool:
+    def put(self, key: str, data: bytes | memoryview, wait: bool = False) -> bool:
         """Store bytes. wait=False: write-behind, True when handed to the socket (no ack);
         wait=True: True only once the cache process has stored them (refused, failed, timed
         out or unreachable: False)."""
@@ -122,7 +122,7 @@ class CacheClient:
             return False
         return True
 
-    def write(self, key: str, data: bytes) -> Written:
+    def write(self, key: str, data: bytes | memoryview) -> Written:
         """An acknowledged put: whether the cache process stored the bytes, and which keys it
         evicted to make room for them (None: unknown, the reply never came)."""
         # an acknowledged write may take the cache process a while to store (and check): its
@@ -165,7 +165,7 @@ class CacheClient:
 
     # --- transport -------------------------------------------------------------------------
     def _request(
-        self, header: dict[str, Any], payload: bytes | None, want_reply: bool, extra_s: float = 0.0
+        self, header: dict[str, Any], payload: bytes | memoryview | None, want_reply: bool, extra_s: float = 0.0
     ) -> tuple[dict[str, Any], memoryview | None] | None:
         """One request -> (reply, payload) when answered ok, else None."""
         got = self._exchange(header, payload, want_reply, extra_s)
@@ -174,7 +174,7 @@ class CacheClient:
         return got
 
     def _exchange(
-        self, header: dict[str, Any], payload: bytes | None, want_reply: bool, extra_s: float = 0.0
+        self, header: dict[str, Any], payload: bytes | memoryview | None, want_reply: bool, extra_s: float = 0.0
     ) -> Any:
         """One request -> (reply, payload) as answered (error replies too, counted as errors),
         None when nothing was sent, or _NO_REPLY when it was sent and no reply came in time."""
@@ -190,7 +190,7 @@ class CacheClient:
             self._lock.release()
 
     def _locked_request(
-        self, header: dict[str, Any], payload: bytes | None, want_reply: bool, extra_s: float
+        self, header: dict[str, Any], payload: bytes | memoryview | None, want_reply: bool, extra_s: float
     ) -> Any:
         if time.monotonic() < self._down_until:
             self._count("unavailable")

@@ -75,7 +75,7 @@ class Snapshot:
             "logits": _to_record(self.logits),
         }
 
-    def encode(self) -> bytes:
+    def encode(self) -> bytes | memoryview:
         """The checked byte form (dflash.cache.snapshot) for the cache process."""
         return fmt.encode(self.body())
 
@@ -420,7 +420,8 @@ def _decode_state(st: dict[str, Any]) -> dict[str, Any]:
 def _to_record(a: mx.array) -> dict[str, Any]:
     name = _NAMES[a.dtype]
     raw = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a  # numpy has no bfloat16
-    # a view of the array's own memory: fmt.encode copies it once, into the envelope
+    # a view of the array's own memory: fmt.encode copies it once, into the envelope (in
+    # pieces, so the copy never holds the GIL for long: cache/snapshot.py _assemble)
     return fmt.array_record(name, a.shape, memoryview(np.ascontiguousarray(raw)).cast("B"))
 
 
