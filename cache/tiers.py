@@ -167,7 +167,10 @@ class PrefixCache:
         # The one lock: the marks and the writer below use it and have none of their own.
         self._lock = threading.Lock()
         self._marks = L2Marks(self.l1, self._stats)  # the in-L2 marks: eviction reports, store ids
-        self._writer = L2Writer(l2, self._lock, self._stats, self._marks, max_pending_writes, l2_max_bytes)
+        # the writer talks through a twin client: its writes wait seconds for their acknowledgement
+        # on a loaded CPU, and would otherwise hold lookups and stats behind the client's lock
+        writes = l2.twin() if l2 is not None else None
+        self._writer = L2Writer(writes, self._lock, self._stats, self._marks, max_pending_writes, l2_max_bytes)
 
     # --- the engine's interface ------------------------------------------------------------
     def boundaries(self, n_prompt: int) -> list[int]:

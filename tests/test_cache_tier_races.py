@@ -67,12 +67,13 @@ def test_discard_wins_over_a_queued_write_of_the_same_snapshot(pairs, cache_proc
     assert pc.flush()  # connected
     a_ids, b_ids = _ids(1), _ids(2)
     kb = pc._keys(b_ids, [N])[0]
-    sent = client.counts()["requests"]
+    writes = pc._writer.l2  # the writer's own client (CacheClient.twin)
+    sent = writes.counts()["requests"]
 
     proc.proc.send_signal(signal.SIGSTOP)
     try:
         pc.insert(a_ids, snap)
-        _wait(lambda: client.counts()["requests"] == sent + 1, "A's write on the wire")
+        _wait(lambda: writes.counts()["requests"] == sent + 1, "A's write on the wire")
         pc.insert(b_ids, snap)  # its write waits behind A's, which awaits its reply
         engine = threading.Thread(target=pc.discard, args=(b_ids,))  # B did not fit: dropped
         engine.start()
@@ -108,18 +109,19 @@ def test_discard_does_not_wait_for_a_write_in_flight_and_wins(pairs, cache_proc)
     assert pc.flush()
     b_ids = _ids(2)
     kb = pc._keys(b_ids, [N])[0]
-    sent = client.counts()["requests"]
+    writes = pc._writer.l2  # the writer's own client (CacheClient.twin)
+    sent = writes.counts()["requests"]
 
     proc.proc.send_signal(signal.SIGSTOP)
     try:
         pc.insert(b_ids, snap)
-        _wait(lambda: client.counts()["requests"] == sent + 1, "B's write on the wire")
+        _wait(lambda: writes.counts()["requests"] == sent + 1, "B's write on the wire")
         engine = threading.Thread(target=pc.discard, args=(b_ids,))
         engine.start()
         engine.join(5)
         # the engine thread went on while the cache process, hung, had B's write unanswered
         assert not engine.is_alive()
-        counts = client.counts()
+        counts = client.counts()  # the lookups' client
         assert pc.lookup(b_ids) is None  # B is not asked of L2 while its delete is to come
         assert client.counts() == counts
     finally:
