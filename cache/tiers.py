@@ -245,9 +245,14 @@ class PrefixCache:
         return self._writer.wait(timeout)
 
     def flush(self) -> bool:
-        """Wait until the cache process has handled every write queued so far (a round trip)."""
+        """Wait until the cache process has handled every write queued so far (a round trip).
+
+        The round trip goes through the writer's own client (CacheClient.twin) as well as the
+        lookups': a write that timed out (not acknowledged, so it may still be stored later)
+        leaves only the writer's client resting, and a ping through the lookups' alone would
+        answer True. The writer's ping is also a barrier on the writes' own socket."""
         self.wait_writes()
-        return self.l2 is not None and self.l2.ping()
+        return self.l2 is not None and self._writer.ping() and self.l2.ping()
 
     def drop_l1(self) -> None:
         """Forget L1 without spilling (what a worker restart does)."""

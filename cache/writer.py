@@ -116,6 +116,11 @@ class L2Writer:
         with q.all_tasks_done:
             return q.all_tasks_done.wait_for(lambda: q.unfinished_tasks == 0, timeout)
 
+    def ping(self) -> bool:
+        """A round trip through the writer's client, behind the writes it sent (False while it
+        rests after a write that failed or timed out)."""
+        return self.l2 is not None and self.l2.ping()
+
     def _start(self) -> None:
         """(Lock held.)"""
         if self.thread is None:

@@ -1,11 +1,12 @@
 """Session 53: a large L2 write waiting for its acknowledgement holds up no lookup and no stats.
 
-The prefix cache's writer and its lookups (engine thread) and stats (the worker's socket thread,
-which also sends the heartbeats) shared one CacheClient, whose lock a request holds for its whole
-round trip; an acknowledged write waits up to 1 s + 1 s per 128 MB, and on a loaded 2-core CPU
-the cache process took seconds to store a few hundred MB (session 53's 8,100-token runs). So a
-stats call waited behind the write for up to 0.75 s (the lock's timeout) and a lookup up to
-1.25 s, then missed, and a write's timeout rested the lookups' client too. The writer now has a
+The prefix cache's writer and its lookups (engine thread) and remote stats (`stats(remote=True)`:
+cache/bench.py; the daemon's socket thread, which sends the heartbeats, asks through a client of
+its own) shared one CacheClient, whose lock a request holds for its whole round trip; an
+acknowledged write waits up to 1 s + 1 s per 128 MB, and on a loaded 2-core CPU the cache
+process took seconds to store a few hundred MB (session 53's 8,100-token runs). So a lookup or a
+remote stats call waited behind the write for up to 1.25 s (the lock's timeout), a lookup then
+missed, and a write's timeout rested the lookups' client too. The writer now has a
 twin client (`CacheClient.twin`).
 
 Proves it with a cache process (a real ROUTER socket speaking the protocol) that holds every
@@ -111,5 +112,23 @@ def test_a_write_that_times_out_rests_only_the_writes(pairs):
         assert client.available and pc.stats()["l2_available"]
         _, took = _timed(lambda: pc.lookup(_ids(2)))
         assert took < 0.5 and client.counts()["requests"] >= 1 and client.counts()["timeouts"] == 0
+    finally:
+        store.close()
+
+
+def test_flush_is_false_while_a_write_went_unanswered(pairs):
+    """flush() says the cache process handled every write queued so far. A write that timed out
+    was not acknowledged (the cache process may still store it) and rests only the writer's
+    twin: the ping flush made on the lookups' client alone answered True all the same."""
+    store = SlowStore()
+    try:
+        client = CacheClient(store.endpoint, timeout_s=0.3, retry_after_s=30.0)
+        pc = PrefixCache(_ident(), Snapshot.decode, client, l1_max_entries=4, every=WHOLE)
+        assert pc.flush()  # nothing queued, both clients answered
+        pc.insert(_ids(1), _snapshot(pairs("qwen3"), N))
+        assert store.puts_received.wait(5.0)
+        assert not pc.flush()  # the write timed out: not known to be handled
+        assert pc.stats()["l2_unanswered_writes"] == 1
+        assert client.available  # the lookups' client still is
     finally:
         store.close()
