@@ -23,7 +23,7 @@ import msgpack
 import zmq
 
 PROTOCOL_VERSION = 1
-PUT_BYTES_PER_S = 128 << 20  # slowest store rate an acknowledged put is allowed before timing out
+PUT_BYTES_PER_S = 32 << 20  # slowest store rate an acknowledged put is allowed before timing out
 _NO_REPLY = object()  # a request was sent, its reply never came: what it did is unknown
 
 

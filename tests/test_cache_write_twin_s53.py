@@ -3,7 +3,7 @@
 The prefix cache's writer and its lookups (engine thread) and remote stats (`stats(remote=True)`:
 cache/bench.py; the daemon's socket thread, which sends the heartbeats, asks through a client of
 its own) shared one CacheClient, whose lock a request holds for its whole round trip; an
-acknowledged write waits up to 1 s + 1 s per 128 MB, and on a loaded 2-core CPU the cache
+acknowledged write waits up to 1 s + 1 s per 32 MB (128 MB before), and on a loaded 2-core CPU the cache
 process took seconds to store a few hundred MB (session 53's 8,100-token runs). So a lookup or a
 remote stats call waited behind the write for up to 1.25 s (the lock's timeout), a lookup then
 missed, and a write's timeout rested the lookups' client too. The writer now has a
