@@ -71,16 +71,17 @@ class CacheClient:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._down_until = 0.0
-        # Bumped by every thread that calls (the engine's lookups and the socket thread's stats;
-        # the prefix cache's writer has a twin of its own), partly outside _lock (which a round trip holds): their own small lock; read with counts().
+        # Bumped by every thread that calls (the prefix cache's lookups and remote stats; its
+        # writer calls through a twin of its own), partly outside _lock (which a round trip
+        # holds): their own small lock; read with counts().
         self.counters = dict(requests=0, timeouts=0, unavailable=0, dropped_puts=0, errors=0)
         self._counts_lock = threading.Lock()
 
     def twin(self) -> "CacheClient":
         """A client of the same process with the same settings and a socket, lock and rest of
         its own: the prefix cache's writer uses one, so a large write waiting for its
-        acknowledgement (seconds on a loaded CPU) never holds up a lookup or the socket
-        thread's stats behind this client's lock, and its timeout rests only the writes."""
+        acknowledgement (seconds on a loaded CPU) never holds up a lookup or a remote stats
+        call behind this client's lock, and its timeout rests only the writes."""
         return CacheClient(self.endpoint, self.timeout_s, self.connect_timeout_s, self.retry_after_s,
                            self.max_queued_puts)
 
