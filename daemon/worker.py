@@ -25,6 +25,7 @@ crash and the supervisor restarts it. Exits 2 and 3 leave their reason for the s
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import fcntl
 import itertools
 import logging
@@ -696,6 +697,9 @@ def main(argv: list[str] | None = None) -> int:
         write_exit_reason(f"another worker is running for {run_dir}")
         return 3
     worker = Worker(cfg)
+    # `kill -USR1 <worker pid>` writes every thread's Python stack to the log: how a stop that
+    # hangs, or a job that never ends, is diagnosed on a live daemon.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stop.set())  # only sets state; the loop notices
     (run_dir / "worker.pid").write_text(str(os.getpid()))

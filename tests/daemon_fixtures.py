@@ -39,6 +39,46 @@ def wait_until(pred, timeout: float = 30.0, what: str = "condition", poll_s: flo
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def lock_holders(path: Path) -> list[int]:
+    """The pids that hold a flock on `path` (Linux: /proc/locks names the file by its inode)."""
+    try:
+        ino = os.stat(path).st_ino
+        rows = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return []
+    pids = []
+    for row in rows:
+        f = row.split()
+        if "->" in f:  # a waiter's row: "1: -> FLOCK ..."
+            f.remove("->")
+        if len(f) > 5 and f[5].rsplit(":", 1)[-1] == str(ino):
+            pids.append(int(f[4]))
+    return pids
+
+
+def why_held(paths: list[Path], log: Path) -> str:
+    """For a failed wait on locks: who holds each, their thread states, and (after asking each
+    worker among them for its Python stacks with SIGUSR1, answered in the log) the log's tail."""
+    lines = []
+    for path in paths:
+        for pid in lock_holders(path):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                states = [Path(f"/proc/{pid}/task/{t}/stat").read_text().split(") ")[1][0]
+                          for t in os.listdir(f"/proc/{pid}/task")]
+                if "dflash.daemon.worker" in cmd:  # others have no SIGUSR1 handler: it would end them
+                    os.kill(pid, signal.SIGUSR1)
+            except OSError as e:
+                cmd, states = f"({e})", []
+            lines.append(f"{path.name} held by {pid}: {cmd.strip()} threads {''.join(states)}")
+    time.sleep(1.0)
+    try:
+        tail = log.read_text(errors="replace")[-6000:]
+    except OSError as e:
+        tail = f"(no log: {e})"
+    return "\n".join(lines) + "\n--- log tail ---\n" + tail
+
+
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory) -> tuple[str, str]:
     from dflash.engine.tiny import build_draft, build_target
