@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import faulthandler
 import fcntl
 import logging
 import os
@@ -667,6 +668,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log-level", default=os.environ.get("DFLASH_CACHE_LOG", "WARNING"))
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack to the log
     run(args.dir, args.endpoint, args.size_limit)
 
 

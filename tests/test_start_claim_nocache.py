@@ -21,7 +21,7 @@ import signal
 import sys
 
 import pytest
-from daemon_fixtures import tiny_pair, two_dirs, wait_until, why_held  # noqa: F401
+from daemon_fixtures import tiny_pair, two_dirs, wait_locks_gone  # noqa: F401
 from test_start_race_s49 import _args, _start_at_once, _stop, slow_supervisors  # noqa: F401
 
 from dflash.client import DFlashClient
@@ -62,11 +62,7 @@ def test_one_daemon_without_cache_started_twice_at_once_starts_once(tiny_pair, t
         assert json.loads(lock.read_text()) == {"endpoint": endpoint, "runtime_dir": str(run), "supervisor_pid": sup}
         # the claim dies with the supervisor, even by kill -9 (its worker dies by its lifeline)
         os.kill(sup, signal.SIGKILL)
-        try:
-            wait_until(lambda: not lock_held(lock) and not lock_held(run / "worker.lock"), timeout=30,
-                       what="the dead daemon's locks to go")
-        except AssertionError as e:
-            raise AssertionError(f"{e}\n{why_held([lock, run / 'worker.lock'], d / 'state' / 'logs' / 'dflashd.log')}")
+        wait_locks_gone([lock, run / "worker.lock"], d / "state" / "logs" / "dflashd.log")
         again = _start_at_once(_args(d, tiny_pair), env=NO_CACHE)[0]
         assert again.returncode == 0, again.stderr
         assert live_pid(run) not in (None, sup) and lock_held(lock)

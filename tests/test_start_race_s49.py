@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from daemon_fixtures import ROOT, tiny_pair, two_dirs, wait_until  # noqa: F401
+from daemon_fixtures import ROOT, tiny_pair, two_dirs, wait_locks_gone, wait_until  # noqa: F401
 
 from dflash.client import DFlashClient
 from dflash.daemon.cli import ipc_in_use
@@ -113,8 +113,7 @@ def test_two_starts_at_once_on_one_cache_dir_start_one_daemon(tiny_pair, two_dir
         # the claim dies with the supervisor, even by kill -9: no stale lock (the `dflashd start`
         # that took it and the children the supervisor started do not hold it)
         os.kill(sup, signal.SIGKILL)
-        wait_until(lambda: not lock_held(shared / "dflashd.lock") and not lock_held(shared / "l2.lock"),
-                   timeout=30, what="the dead daemon's locks to go")
+        wait_locks_gone([shared / "dflashd.lock", shared / "l2.lock"], w / "state" / "logs" / "dflashd.log")
         again = _start_at_once(_args(l_, tiny_pair), env=env)[0]
         assert again.returncode == 0, again.stderr
         assert again.stderr == ""  # no "cache process (L2) stopped" warning
