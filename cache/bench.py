@@ -70,13 +70,17 @@ def run(model: str, draft: str, tokens: int, repeats: int, every: int, dtype: st
     endpoint = f"ipc://{tmp / 'cache.sock'}"
     proc = start_cache_process(tmp / "store", endpoint)
 
+    made: list[PrefixCache] = []  # each is closed at the end: its writer thread and sockets
+
     def fresh() -> PrefixCache:
-        return PrefixCache(ident, Snapshot.decode, CacheClient(endpoint, timeout_s=30.0),
-                           l1_max_bytes=16 << 30, l1_max_entries=256, every=every)
+        made.append(PrefixCache(ident, Snapshot.decode, CacheClient(endpoint, timeout_s=30.0),
+                                l1_max_bytes=16 << 30, l1_max_entries=256, every=every))
+        return made[-1]
 
     try:
         deadline = time.monotonic() + 30
         while not fresh().flush():
+            made.pop().close()
             if time.monotonic() > deadline:
                 raise RuntimeError("cache process did not start")
             time.sleep(0.2)
@@ -99,6 +103,8 @@ def run(model: str, draft: str, tokens: int, repeats: int, every: int, dtype: st
                    "ttft_ms": [round(r["ttft_ms"], 2) for r in v], "cached_tokens": v[0]["cached_tokens"]}
                for k, v in rows.items()}
     finally:
+        for pc in made:
+            pc.close()
         proc.terminate()
         proc.wait(30)
         shutil.rmtree(tmp, ignore_errors=True)

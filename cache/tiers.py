@@ -254,6 +254,16 @@ class PrefixCache:
         self.wait_writes()
         return self.l2 is not None and self._writer.ping() and self.l2.ping()
 
+    def close(self, timeout: float | None = 30.0) -> bool:
+        """Finish the queued L2 writes, then stop the writer thread and close both clients (the
+        lookups' and the writer's twin). L1 stays readable; L2 is neither asked nor written. True when
+        the writes finished within `timeout` s."""
+        done = self._writer.close(timeout)
+        client, self.l2 = self.l2, None  # lookups ask L1 only from here on
+        if client is not None:
+            client.close()
+        return done
+
     def drop_l1(self) -> None:
         """Forget L1 without spilling (what a worker restart does)."""
         with self._lock:
@@ -299,13 +309,13 @@ class PrefixCache:
 
     def _lookup_l2(self, wanted: dict[str, int]) -> tuple[int, SnapshotLike] | None:
         """The first of the keys (longest first) L2 holds intact; `wanted`: key -> prefix length."""
-        keys = list(wanted)
-        if self.l2 is None or not keys:
+        keys, l2 = list(wanted), self.l2  # one client for the whole lookup (close() clears it)
+        if l2 is None or not keys:
             return None
         with self._lock:  # eviction reports after this may concern the entry this brings back
             mark, epoch = self._marks.reports, self._marks.epoch
         while keys:
-            got = self.l2.find(keys)
+            got = l2.find(keys)
             if got is None:
                 return None
             if got.key is None:  # a miss still says which store answered
@@ -326,7 +336,7 @@ class PrefixCache:
                     self._stats.corrupt_dropped += 1
                     self._marks.store_seen(got.store, epoch)
                     epoch = self._marks.epoch  # the next get is sent after this
-                self.l2.delete(key)
+                l2.delete(key)
                 keys = keys[keys.index(key) + 1 :]
                 continue
             n = snap.n_tokens

@@ -52,6 +52,7 @@ class L2Writer:
         self.max_pending_writes = max_pending_writes
         self.queued_puts = 0
         self.thread: threading.Thread | None = None
+        self.closed = False  # close(): nothing more is queued
         # keys whose discard's L2 delete is queued (-> how many): not asked of L2 until it ran
         self.deleting: dict[str, int] = {}
 
@@ -69,7 +70,7 @@ class L2Writer:
 
     def claim(self, entry: L1Entry) -> bool:
         """(Lock held.) True when the caller is to write `entry` now; it is then `pending`."""
-        if self.l2 is None or entry.in_l2 or entry.pending:
+        if self.l2 is None or self.closed or entry.in_l2 or entry.pending:
             return False
         if self.l2_max_bytes is not None and entry.nbytes > self.l2_max_bytes:
             self.stats.l2_too_large += 1  # the cache process would refuse it: not encoded, not sent
@@ -99,7 +100,7 @@ class L2Writer:
     def claim_delete(self, key: str) -> bool:
         """(Lock held.) A discard of `key`: True when its L2 delete is to be sent (`send_delete`);
         until it ran, `key` is in `deleting` and lookups do not ask L2 for it."""
-        if self.l2 is None:
+        if self.l2 is None or self.closed:
             return False
         self.deleting[key] = self.deleting.get(key, 0) + 1
         self._start()
@@ -120,6 +121,22 @@ class L2Writer:
         """A round trip through the writer's client, behind the writes it sent (False while it
         rests after a write that failed or timed out)."""
         return self.l2 is not None and self.l2.ping()
+
+    def close(self, timeout: float | None = 30.0) -> bool:
+        """Stop the writer thread once what is queued has been handled, and close its client.
+        True when it finished in `timeout` s (else the thread, a daemon one, is left to end
+        with the process). For owners that make PrefixCaches and drop them (the benchmark):
+        each left its thread and socket behind."""
+        with self.lock:
+            self.closed = True  # from here on nothing is claimed: no write or delete is queued
+        done = True
+        if self.thread is not None:
+            self.queue.put_nowait(("stop", "", None, None))
+            self.thread.join(timeout)
+            done = not self.thread.is_alive()
+        if done and self.l2 is not None:
+            self.l2.close()
+        return done
 
     def _start(self) -> None:
         """(Lock held.)"""
@@ -143,6 +160,9 @@ class L2Writer:
         order; an entry counts as in L2 once the process acknowledged its write."""
         while True:
             op, key, body, entry = self.queue.get()
+            if op == "stop":  # close(): everything queued before it was handled
+                self.queue.task_done()
+                return
             try:
                 if op == "delete":
                     self._delete(key)

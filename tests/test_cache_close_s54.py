@@ -1,0 +1,58 @@
+"""PrefixCache.close(): the queued L2 writes land, then the writer thread ends and both clients'
+sockets close; afterwards L1 still answers and nothing more is written to or asked of L2.
+
+Real tiny MLX snapshots, a real cache process on a real diskcache store, real threads. Before,
+a PrefixCache had no end: cache/bench.py made a fresh one per scenario and each left its writer
+thread blocked on its queue and two sockets open for the rest of the process.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from dflash.cache.tiers import PrefixCache
+from dflash.engine.prefix import Snapshot
+from test_cache_threads import WHOLE, _ident, _snapshot
+from test_l2 import cache_proc  # noqa: F401  (fixture)
+
+
+def _writers() -> int:
+    return sum(t.name == "dflash-l2-writer" and t.is_alive() for t in threading.enumerate())
+
+
+def test_close_lands_the_queued_writes_then_ends_the_writer_and_leaves_l1(pairs, cache_proc):  # noqa: F811
+    pair = pairs("qwen3")
+    snap = _snapshot(pair, 24)
+    proc = cache_proc()
+    before = _writers()
+    pc = PrefixCache(_ident(), Snapshot.decode, proc.client(timeout_s=30.0), every=WHOLE, max_pending_writes=100)
+    prompts = [[i + 1] + [7] * (snap.n_tokens - 1) for i in range(6)]
+    for ids in prompts:
+        pc.insert(ids, snap)  # write-behind: queued for the writer thread
+    assert _writers() == before + 1
+    assert pc.close(timeout=60) is True
+    assert _writers() == before  # the thread ended
+    st = pc.stats()
+    assert st["l2_writes"] == 6 and st["l2_dropped_writes"] == 0, st  # every queued write landed
+    assert pc.l2 is None and pc._writer.l2._sock is None  # both sockets closed
+    # L1 still answers; a new insert is neither queued nor written, and lookups do not ask L2
+    assert pc.lookup(prompts[0])[0] == snap.n_tokens
+    pc.insert([99] + [7] * (snap.n_tokens - 1), snap)
+    assert pc._writer.queue.qsize() == 0 and pc.stats()["l2_writes"] == 6
+    assert pc.lookup([98] + [7] * (snap.n_tokens - 1)) is None
+    # what it wrote is in L2 for whoever comes next (a restarted worker's fresh PrefixCache)
+    fresh = PrefixCache(_ident(), Snapshot.decode, proc.client(timeout_s=30.0), every=WHOLE)
+    try:
+        for ids in prompts:
+            n, _ = fresh.lookup(ids)
+            assert n == snap.n_tokens
+        assert fresh.stats()["l2"]["hits"] == 6
+    finally:
+        assert fresh.close() is True  # never started a writer: nothing to wait for
+
+
+def test_close_before_any_write_and_twice_is_harmless(pairs, cache_proc):  # noqa: F811
+    proc = cache_proc()
+    pc = PrefixCache(_ident(), Snapshot.decode, proc.client(timeout_s=5.0), every=WHOLE)
+    assert pc.close() is True and pc.close() is True
+    assert PrefixCache(_ident(), Snapshot.decode, None, every=WHOLE).close() is True  # no L2 at all
