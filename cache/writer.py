@@ -89,13 +89,13 @@ class L2Writer:
             return
         with self.lock:
             self._start()
-            full = self.queued_puts >= self.max_pending_writes
+            # closed since the claim: the writer thread may have stopped, so nothing is queued
+            full = self.closed or self.queued_puts >= self.max_pending_writes
             if full:
                 self._write_failed(key, entry)
             else:
                 self.queued_puts += 1
-        if not full:
-            self.queue.put_nowait(("put", key, body, entry))
+                self.queue.put_nowait(("put", key, body, entry))  # under the lock: never behind close()'s stop
 
     def claim_delete(self, key: str) -> bool:
         """(Lock held.) A discard of `key`: True when its L2 delete is to be sent (`send_delete`);
@@ -108,7 +108,11 @@ class L2Writer:
 
     def send_delete(self, key: str) -> None:
         """Queue a claimed delete behind every write queued before it (never waits)."""
-        self.queue.put_nowait(("delete", key, None, None))
+        with self.lock:
+            if self.closed:  # closed since the claim: the writer thread may have stopped
+                self._deleted(key)
+            else:
+                self.queue.put_nowait(("delete", key, None, None))
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait (up to `timeout` s) until every queued write and delete was handled by the cache
@@ -128,10 +132,12 @@ class L2Writer:
         with the process). For owners that make PrefixCaches and drop them (the benchmark):
         each left its thread and socket behind."""
         with self.lock:
-            self.closed = True  # from here on nothing is claimed: no write or delete is queued
+            stop = not self.closed and self.thread is not None
+            self.closed = True  # from here on nothing is claimed or queued (send, send_delete)
+            if stop:
+                self.queue.put_nowait(("stop", "", None, None))  # behind everything queued
         done = True
         if self.thread is not None:
-            self.queue.put_nowait(("stop", "", None, None))
             self.thread.join(timeout)
             done = not self.thread.is_alive()
         if done and self.l2 is not None:
@@ -184,9 +190,13 @@ class L2Writer:
                             "available): a lookup that finds it drops it again", key)
         finally:
             with self.lock:
-                left = self.deleting.pop(key) - 1
-                if left:
-                    self.deleting[key] = left
+                self._deleted(key)
+
+    def _deleted(self, key: str) -> None:
+        """(Lock held.) One claimed delete of `key` is over: lookups may ask L2 for it again."""
+        left = self.deleting.pop(key) - 1
+        if left:
+            self.deleting[key] = left
 
     def _store(self, key: str, body: dict[str, Any], entry: L1Entry) -> None:
         """(Writer thread.) Encode and write one snapshot, then record the outcome and what the

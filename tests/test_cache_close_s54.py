@@ -55,4 +55,32 @@ def test_close_before_any_write_and_twice_is_harmless(pairs, cache_proc):  # noq
     proc = cache_proc()
     pc = PrefixCache(_ident(), Snapshot.decode, proc.client(timeout_s=5.0), every=WHOLE)
     assert pc.close() is True and pc.close() is True
+    assert pc.wait_writes(timeout=5) is True  # nothing left queued for a thread that never ran
     assert PrefixCache(_ident(), Snapshot.decode, None, every=WHOLE).close() is True  # no L2 at all
+
+
+def test_a_write_and_a_delete_claimed_before_close_but_sent_after_are_not_left_queued(pairs, cache_proc):  # noqa: F811
+    """The engine claims a write (or a discard's delete) under the lock and queues it after
+    releasing it. A close() in between stops the writer thread: what comes after must not sit in
+    the queue for ever (wait_writes would then never return, and the entry would stay pending)."""
+    pair = pairs("qwen3")
+    snap = _snapshot(pair, 24)
+    proc = cache_proc()
+    pc = PrefixCache(_ident(), Snapshot.decode, proc.client(timeout_s=30.0), every=WHOLE)
+    pc.insert([1] + [7] * (snap.n_tokens - 1), snap)  # starts the writer thread
+    assert pc.wait_writes(timeout=30)
+    pc.insert([2] + [7] * (snap.n_tokens - 1), snap)
+    assert pc.wait_writes(timeout=30)
+    (entry,) = [e for e in pc.l1._entries.values() if not e.in_l2] or [None]
+    assert entry is None  # both written
+    late = next(iter(pc.l1._entries.values()))
+    late.in_l2 = False  # as if it still had to be written
+    with pc._lock:
+        assert pc._writer.claim(late) and late.pending
+        assert pc._writer.claim_delete("snap:late")
+    assert pc.close(timeout=30) is True
+    pc._writer.send("snap:x", late)
+    pc._writer.send_delete("snap:late")
+    assert pc._writer.queue.qsize() == 0 and pc.wait_writes(timeout=5) is True
+    assert not late.pending and pc.stats()["l2_dropped_writes"] == 1  # counted, spilled again if evicted
+    assert "snap:late" not in pc._writer.deleting
