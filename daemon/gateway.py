@@ -118,12 +118,15 @@ def api_error_from(e: E.DFlashError, req: S.GenRequest | None = None) -> S.ApiEr
 
 def _explain(e: E.DFlashError, message: str, req: S.GenRequest | None) -> str:
     """The daemon's message, with what an HTTP client cannot know: which of the daemon's limits it
-    ran into, that a max_tokens it never sent came from this server's default, and max_tokens by
-    the name the request gave it."""
+    ran into, that a max_tokens it never sent came from this server's default, and max_tokens (or
+    a field the codec quotes) by the name the request gave it."""
     if e.code == P.TOO_LARGE:
         return f"the request is too large for the daemon (its max_frame_bytes): {message}; send a shorter prompt"
-    if req is None or (e.param or S.wire_field(e.message)) != "max_tokens":
-        return message
+    wire = e.param or S.wire_field(e.message)
+    if req is None or wire != "max_tokens":
+        named = S.request_param(wire, req) if req is not None else None
+        # the codec quotes the submit's field: chat_template_kwargs read "field 'template_args' ..."
+        return message.replace(f"field {wire!r}", f"field {named!r}", 1) if wire and named else message
     if req.max_tokens_param is None:
         return (f"{message}: the request set no max_tokens, and this server's --default-max-tokens is over the "
                 "daemon's max_tokens_limit; send max_tokens")

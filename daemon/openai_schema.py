@@ -207,7 +207,8 @@ def _common(body: dict, kind: str, prompt: Any, raw: bool) -> GenRequest:
     if stream is not None and not isinstance(stream, bool):
         raise bad("'stream' must be a boolean", "stream", "invalid_type")
     opts = body.get("stream_options")
-    if opts is not None and not (isinstance(opts, dict) and isinstance(opts.get("include_usage", False), bool)):
+    # include_usage null is absent, as every null is (a client that writes its unset fields as null was refused)
+    if opts is not None and not (isinstance(opts, dict) and isinstance(opts.get("include_usage"), (bool, type(None)))):
         raise bad("'stream_options' must be an object with a boolean 'include_usage'", "stream_options", "invalid_type")
     if opts is not None and not stream:
         raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
@@ -353,8 +354,11 @@ def _integer(v: Any) -> bool:
 
 
 def _positive_int(v: Any, name: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
+    """max_tokens / max_completion_tokens: an integer >= 1, written 16.0 too, as every integer
+    field takes it (_integer; `16.0` was a 400 here alone, where seed and n took `7.0`)."""
+    if not _integer(v):
         raise bad(f"'{name}' must be an integer", name, "invalid_type")
+    v = int(v)
     if v < 1:
         raise bad(f"'{name}' must be an integer >= 1, got {P.shown(v)}", name)
     if v > WIRE_INT_MAX:  # past anything the daemon can be sent (its max_tokens_limit is far lower)
