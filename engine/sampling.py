@@ -5,8 +5,10 @@ mlx-lm's semantics (`make_sampler(temp, top_p=..., min_p=..., min_tokens_to_keep
 on the untempered log-probs, top-p keeps the most likely tokens until their mass reaches top_p
 (every token tied with the last one kept stays), then min-p keeps the tokens at least min_p times
 as likely as the most likely one, and always the min_tokens_to_keep most likely, then top-k keeps
-the k most likely (ties at the k-th place, for both counts: the lower ids), then the temperature
-scales what is left. Computed in float32. Logits processors (penalties, logit
+the k most likely, then the temperature
+scales what is left. Ties at a count's cut are mlx-lm's: its argpartition orders by (value, id),
+so top-k (the first k of -logprobs) keeps the lower ids, min_tokens_to_keep (the last m of the
+logprobs) the higher ones. Computed in float32. Logits processors (penalties, logit
 bias: engine/processors.py) run before all of this, on the raw logits, as in mlx-lm.
 
 Acceptance is standard speculative sampling, exact whatever the draft: draft x_i is kept with
@@ -102,24 +104,26 @@ def top_p_mask(logprobs: mx.array, top_p: float) -> mx.array:
 def min_p_mask(logprobs: mx.array, min_p: float, min_tokens_to_keep: int = 1) -> mx.array:
     """Keep (True) the tokens at least min_p times as likely as the most likely one (its ties
     included, so at least one token stays), and the min_tokens_to_keep most likely whatever
-    their probability (ties at the last place: the lower ids; mlx-lm leaves that choice to
-    `argpartition`). min_tokens_to_keep >= the vocabulary keeps every token."""
+    their probability (ties at the last place: the higher ids, as mlx-lm's argpartition of the
+    ascending logprobs leaves them). min_tokens_to_keep >= the vocabulary keeps every token."""
     top = logprobs.max(axis=-1, keepdims=True)
     keep = logprobs >= top + math.log(min_p)
     if min_tokens_to_keep > 1:
         if min_tokens_to_keep >= logprobs.shape[-1]:
             return mx.ones_like(keep)
-        keep = keep | top_k_mask(logprobs, min_tokens_to_keep)
+        keep = keep | top_k_mask(logprobs, min_tokens_to_keep, ties_to_higher_ids=True)
     return keep
 
 
-def top_k_mask(logprobs: mx.array, top_k: int) -> mx.array:
-    """Keep (True) exactly the k most likely tokens; ties at the k-th place go to the lower ids."""
+def top_k_mask(logprobs: mx.array, top_k: int, ties_to_higher_ids: bool = False) -> mx.array:
+    """Keep (True) exactly the k most likely tokens; ties at the k-th place go to the lower ids
+    (top-k's rule in mlx-lm), or to the higher ones (min_tokens_to_keep's)."""
     kth = mx.topk(logprobs, top_k, axis=-1).min(axis=-1, keepdims=True)
     above = logprobs > kth
     tied = logprobs == kth
     room = top_k - above.sum(axis=-1, keepdims=True)
-    return above | (tied & (mx.cumsum(tied.astype(mx.int32), axis=-1) <= room))
+    rank = mx.cumsum(tied.astype(mx.int32), axis=-1, reverse=ties_to_higher_ids)
+    return above | (tied & (rank <= room))
 
 
 def filter_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:

@@ -77,10 +77,25 @@ def test_min_p_mask_with_min_tokens_to_keep_equals_mlx_lm(min_p, keep):
     assert (ours.sum(axis=-1) > plain.sum(axis=-1)).any().item()  # it keeps more than min-p alone
 
 
-def test_min_tokens_to_keep_ties_go_to_lower_ids():
+def test_min_tokens_to_keep_ties_go_to_higher_ids():
+    """mlx-lm keeps the last min_tokens_to_keep of argpartition(logprobs, kth=-m), whose order is
+    (value, id): among ties at the cut the higher ids stay (top-k's ascending -logprobs: the lower)."""
     lp = _logprobs(mx.array([[0.0, 1.0, 1.0, 1.0, 3.0, 1.0]]))
-    assert sampling.min_p_mask(lp, 0.9, 3).tolist() == [[False, True, True, False, True, False]]
+    assert sampling.min_p_mask(lp, 0.9, 3).tolist() == [[False, False, False, True, True, True]]
+    assert mx.array_equal(sampling.min_p_mask(lp, 0.9, 3), mx.isfinite(apply_min_p(lp, 0.9, 3)))
     assert sampling.min_p_mask(lp, 0.9, 6).all().item() and sampling.min_p_mask(lp, 0.9, 10**9).all().item()
+
+
+@pytest.mark.parametrize("vocab", [8, 300, 151936])
+@pytest.mark.parametrize("keep", [2, 5, 7])
+def test_min_tokens_to_keep_tied_rows_are_mlx_lm_tokens(vocab, keep):
+    """Rows of integer logits (ties at every cut, as bf16 logits have): the very tokens
+    apply_min_p keeps, not only their values."""
+    x = mx.round(mx.random.normal((32, vocab), key=mx.random.key(vocab + keep)) * 2)
+    lp = _logprobs(x)
+    for min_p in (1.0, 0.5, 0.01):
+        theirs = mx.isfinite(apply_min_p(lp, min_p, keep))
+        assert mx.array_equal(sampling.min_p_mask(lp, min_p, keep), theirs), min_p
 
 
 def test_top_k_ties_go_to_lower_ids_and_large_k_is_off():

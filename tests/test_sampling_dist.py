@@ -619,3 +619,32 @@ def test_engine_exact_with_cut_blocks(pairs):
     finally:
         pair.drafter.short_max = saved
     print(assert_same_distribution(counts, engine_exact(sharp, ids, params, n), n))
+
+
+# Exact ties at min_tokens_to_keep's cut, built with a logit bias: biases of 2e9 and 1e9 swallow
+# the tiny target's logits (float32 steps of 128 and 64 there), so token A tops and B, C, D tie
+# exactly below it, 1e9 nats down, the rest 2e9 down; temperature 1e9 turns those gaps into 1
+# and 2. min-p 0.5 alone keeps A; min_tokens_to_keep 3 adds two of the tied B, C, D: mlx-lm's
+# argpartition (ordered by value, then id) gives C and D, the higher ids.
+TIE_A, TIE_BCD = 20, (10, 11, 12)
+TIES = SamplingParams(temperature=1e9, min_p=0.5, min_tokens_to_keep=3)
+
+
+@pytest.mark.parametrize("draft", ["random", "oracle"])
+def test_engine_min_tokens_to_keep_ties_are_mlx_lm(pairs, draft):
+    """Ties at min_tokens_to_keep's cut (qwen3, n=300): the engine's tokens are those mlx-lm
+    keeps (A, C, D), drawn with its law, far from the law that keeps the lower ids (A, B, C);
+    with the random draft (rejections) and an ids-only one proposing A, D, B, A (kept drafts,
+    a draft outside p)."""
+    pair = pairs("qwen3")
+    ids = pair.tokenizer.encode(PROMPT)
+    sharp = Sharp(pair.target, 1.0)
+    bias = {TIE_A: 2e9, **{t: 1e9 for t in TIE_BCD}}
+    reference = [TIE_A, TIE_BCD[2], TIE_BCD[0], TIE_A] * 4  # the continuation
+    make = (lambda: pair.drafter) if draft == "random" else (
+        lambda: OracleDrafter(reference, len(ids), 16, vocab_size=sharp.vocab_size))
+    n = 300
+    exact = engine_exact(sharp, ids, TIES, n, law=mlx_lm_law(TIES), logit_bias=bias)
+    assert {t for c in exact for t in c} == {TIE_A, *TIE_BCD[1:]}
+    counts = engine_counts(pair, sharp, make, ids, TIES, n, logit_bias=bias)
+    print(draft, assert_same_distribution(counts, exact, n))
