@@ -105,6 +105,30 @@ def test_rows_equal_mlx_lm_processors():
     assert mx.array_equal(first, theirs)
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_rows_equal_mlx_lm_processors_random_settings(dtype):
+    """Random settings, bit for bit (float32 and bfloat16 logits, as a target gives them): small
+    vocabularies (ids repeated in the history and in the block), windows from 1 token to past the
+    history, biases of +-1e30, repetition penalties of 1 and 1e30 (a logit times it is -inf)."""
+    rng = np.random.default_rng(1)
+    for trial in range(60):
+        vocab = int(rng.choice([5, 17, 64]))
+        history = rng.integers(0, vocab, int(rng.integers(1, 60))).tolist()
+        block = rng.integers(0, vocab, int(rng.integers(1, 9))).tolist()
+        logits = mx.array((rng.normal(size=(len(block), vocab)) * 4).astype(np.float32)).astype(dtype)
+        kw = {"logit_bias": {int(t): float(rng.choice([-1e30, -5.0, 3.3, 1e30])) for t in rng.integers(0, vocab, 3)},
+              "repetition_penalty": float(rng.choice([0.5, 1.0, 1.3, 1e30])),
+              "repetition_context_size": int(rng.choice([1, 3, 20, 100])),
+              "presence_penalty": float(rng.choice([-1.0, 0.7])), "presence_context_size": int(rng.choice([1, 4, 100])),
+              "frequency_penalty": float(rng.choice([-0.5, 0.4])), "frequency_context_size": int(rng.choice([1, 8, 100]))}
+        ours = LogitsProcessors(ProcessorParams(**kw), history)(logits, len(history), mx.array(block))
+        for i in range(len(block)):
+            theirs = logits[i : i + 1]
+            for proc in make_logits_processors(**kw):
+                theirs = proc(mx.array(history + block[: i + 1]), theirs)
+            assert ours.dtype == theirs.dtype and mx.array_equal(ours[i : i + 1], theirs, equal_nan=True), (trial, i, kw)
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [

@@ -148,6 +148,35 @@ def test_probs_with_min_tokens_to_keep_equal_mlx_lm_chain(temperature, top_p, to
     assert ((ours > 0).sum() > (alone > 0).sum()).item()  # the parameter does something here
 
 
+def _edge_rows() -> mx.array:
+    """Continuous and integer (tied) rows, a bias of -1e30 on 40 tokens, -inf on a third of
+    them, two tokens biased +1e30 (tied at the top), and near-flat rows."""
+    x = mx.random.normal((8, 300), key=mx.random.key(21)) * 3
+    return mx.concatenate([x, mx.round(x), x.at[:, :40].add(-1e30), mx.where(mx.arange(300) % 3 == 0, -mx.inf, x),
+                           x.at[:, 3].add(1e30).at[:, 7].add(1e30), x * 1e-3])
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 0.7, 1e6])
+@pytest.mark.parametrize("top_p", [1.0, 0.999999, 0.5, 1e-9])
+@pytest.mark.parametrize("min_p,keep", [(0.0, 1), (1e-9, 1), (0.1, 2), (1.0, 5), (0.5, 299), (0.5, 300)])
+def test_probs_equal_mlx_lm_chain_at_edge_values(temperature, top_p, min_p, keep):
+    """make_sampler's chain at the edges (top-k 1, 2, 50 and vocabulary - 1; ties at every cut),
+    the very tokens and their probabilities: one-step, float32, to 1e-6."""
+    logits = _edge_rows()
+    for top_k in (0, 1, 2, 50, 299):
+        lp = _logprobs(logits)
+        if top_p < 1:
+            lp = apply_top_p(lp, top_p)
+        if min_p:
+            lp = apply_min_p(lp, min_p, keep)
+        if top_k:
+            lp = apply_top_k(lp, top_k)
+        theirs = mx.softmax(lp * (1.0 / temperature), axis=-1)
+        ours = sampling.probs(logits, SamplingParams(temperature, top_p, top_k, min_p=min_p, min_tokens_to_keep=keep))
+        assert mx.array_equal(ours > 0, theirs > 0), top_k
+        assert mx.allclose(ours, theirs, atol=1e-6).item(), top_k
+
+
 @pytest.mark.parametrize("min_p,keep", [(0.0, 1), (0.3, 1), (0.6, 6)])
 def test_make_sampler_draws_from_our_probs(min_p, keep):
     """mlx-lm's own sampler, drawn 200k times, matches our p (chi-square, pooled cells)."""
