@@ -243,7 +243,7 @@ def stream_dflash_generate(
     rollback.quantize_kv(caches, kv_bits, kv_group_size)
     last = logits[0, -1] if procs is None else procs(logits[0, -1:], len(ids))[0]
     if keys is None:
-        anchor = mx.argmax(last).astype(mx.int32)
+        anchor = sampling_mod.greedy_ids(last)
         if forced is not None:
             anchor = taught(anchor.reshape(1), forced[:1])[0]
     else:

@@ -86,6 +86,14 @@ class KeyChain:
         return sub
 
 
+def greedy_ids(logits: mx.array) -> mx.array:
+    """The target's greedy ids (int32) over the last axis, as mlx-lm's greedy sampler picks them:
+    the argmax of logits - logsumexp in the logits' own dtype. In bfloat16 that subtraction rounds,
+    so two close logits can share one log-prob and the lower id wins, where the logits' own argmax
+    would take the other."""
+    return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1).astype(mx.int32)
+
+
 def top_p_mask(logprobs: mx.array, top_p: float) -> mx.array:
     """Keep (True) the most likely tokens until their mass reaches top_p, and their ties.
 

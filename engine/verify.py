@@ -93,7 +93,7 @@ def verify(
     logits = logits[0] if process is None else process(logits[0], block[0])
     accepted = mx.array(0, mx.int32)  # what a plain step accepts
     if sampling is None:
-        tokens = taught(mx.argmax(logits, axis=-1).astype(mx.int32), forced)
+        tokens = taught(sampling_mod.greedy_ids(logits), forced)
         if not plain:
             accepted = greedy_accept(drafts, tokens)
     elif plain:  # one draw from p
@@ -125,7 +125,7 @@ def verify_rows(target: TargetModel, caches: list[Any], anchor: mx.array, drafts
     block = mx.concatenate([anchor, drafts.astype(mx.int32)], axis=1)
     rollback.tile_rows(caches, rows)
     logits, features = target.forward(block, caches, eager=True)
-    greedy = taught(mx.argmax(logits, axis=-1).astype(mx.int32), forced)  # [R, k]
+    greedy = taught(sampling_mod.greedy_ids(logits), forced)  # [R, k]
     accepted = greedy_accept(block[:, 1:], greedy)  # [R]
     best = mx.argmax(accepted).astype(mx.int32)  # the first of the longest: row 0 on ties
     rollback.keep_row(caches, best)
