@@ -5,10 +5,12 @@ mlx-lm's semantics (`make_sampler(temp, top_p=..., min_p=..., min_tokens_to_keep
 on the untempered log-probs, top-p keeps the most likely tokens until their mass reaches top_p
 (every token tied with the last one kept stays), then min-p keeps the tokens at least min_p times
 as likely as the most likely one, and always the min_tokens_to_keep most likely, then top-k keeps
-the k most likely, then the temperature
-scales what is left. Ties at a count's cut are mlx-lm's: its argpartition orders by (value, id),
-so top-k (the first k of -logprobs) keeps the lower ids, min_tokens_to_keep (the last m of the
-logprobs) the higher ones. Computed in float32. Logits processors (penalties, logit
+the k most likely, then the temperature scales what is left. Ties at a count's cut are mlx-lm's:
+its argpartition orders by (value, id), so top-k (the first k of -logprobs) keeps the lower ids,
+min_tokens_to_keep (the last m of the logprobs) the higher ones. The log-probs, the cuts and
+log-prob / temperature are computed in the logits' own dtype, as mlx-lm's generate_step and
+sampler compute them (a bfloat16 target's: its roundings, and the ties they make, included);
+top-p's mass and the softmax in float32. Logits processors (penalties, logit
 bias: engine/processors.py) run before all of this, on the raw logits, as in mlx-lm.
 
 Acceptance is standard speculative sampling, exact whatever the draft: draft x_i is kept with
@@ -86,12 +88,18 @@ class KeyChain:
         return sub
 
 
+def log_probs(logits: mx.array) -> mx.array:
+    """logits - logsumexp over the last axis in the logits' own dtype, as mlx-lm's generate_step
+    computes what its sampler sees: in bfloat16 the subtraction rounds, and close logits can
+    share one log-prob, which decides an argmax and a cut's ties the way mlx-lm does."""
+    x = logits if mx.issubdtype(logits.dtype, mx.floating) else logits.astype(mx.float32)
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
 def greedy_ids(logits: mx.array) -> mx.array:
     """The target's greedy ids (int32) over the last axis, as mlx-lm's greedy sampler picks them:
-    the argmax of logits - logsumexp in the logits' own dtype. In bfloat16 that subtraction rounds,
-    so two close logits can share one log-prob and the lower id wins, where the logits' own argmax
-    would take the other."""
-    return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1).astype(mx.int32)
+    the argmax of the log-probs (the lower id of two that round to one), not of the logits."""
+    return mx.argmax(log_probs(logits), axis=-1).astype(mx.int32)
 
 
 def top_p_mask(logprobs: mx.array, top_p: float) -> mx.array:
@@ -101,7 +109,7 @@ def top_p_mask(logprobs: mx.array, top_p: float) -> mx.array:
     top_p of the total; every token tied with the last one kept stays too.
     """
     desc = -mx.sort(-logprobs, axis=-1)
-    prob = mx.exp(desc)
+    prob = mx.exp(desc.astype(mx.float32))  # the mass in float32 whatever the log-probs' dtype
     mass_before = mx.cumsum(prob, axis=-1, inclusive=False)
     total = mass_before[..., -1:] + prob[..., -1:]
     n_keep = (mass_before < top_p * total).sum(axis=-1, keepdims=True)  # >= 1
@@ -135,9 +143,10 @@ def top_k_mask(logprobs: mx.array, top_k: int, ties_to_higher_ids: bool = False)
 
 
 def filter_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
-    """Log-probs (float32) with the tokens outside top-p, then min-p, then top-k, set to -inf."""
-    x = logits.astype(mx.float32)
-    lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    """Log-probs in the logits' own dtype (`log_probs`) with the tokens outside top-p, then
+    min-p, then top-k, set to -inf: mlx-lm's cuts, ties where rounding made them included (in
+    bfloat16, top-k 1 keeps the lower id of two tokens whose log-probs round to one)."""
+    lp = log_probs(logits)
     if params.top_p < 1.0:
         lp = mx.where(top_p_mask(lp, params.top_p), lp, -mx.inf)
     if params.min_p > 0:
@@ -148,21 +157,23 @@ def filter_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
 
 
 def scaled_logits(logits: mx.array, params: SamplingParams) -> mx.array:
-    """Logits (float32) whose softmax is the sampling distribution: filtered, then divided by the
-    temperature. Not normalised when nothing is filtered (softmax does not need it): a plain
-    decode step then costs what mlx-lm's sampler does, not a log-softmax more. Shifted so the
-    top is 0 and the scale capped at float32's largest: however small the temperature, no logit
-    overflows to +inf, no row turns wholly -inf and 0 * inf makes no NaN; p is then the T -> 0
-    limit, the argmax."""
-    x = logits.astype(mx.float32)
-    if filters(params, x.shape[-1]):
-        x = filter_logprobs(x, params)
-    x = x - x.max(axis=-1, keepdims=True)
-    return x * min(1.0 / params.temperature, F32_MAX)
+    """Logits (float32) whose softmax is the sampling distribution: the filtered log-probs times
+    1 / temperature, that product in the logits' dtype as mlx-lm's sampler rounds it (in
+    bfloat16 the scale itself rounds: 1 / 0.7 is 1.4297 there), then shifted so the top is 0.
+    Where a temperature is so small that the top overflows (the scale capped at float32's
+    largest, 0 * inf made no NaN), the shift comes first: p is then the T -> 0 limit, the
+    argmax and its ties, where mlx-lm's own draw would be garbage."""
+    x = filter_logprobs(logits, params) if filters(params, logits.shape[-1]) else log_probs(logits)
+    scale = min(1.0 / params.temperature, F32_MAX)
+    y = (x * scale).astype(mx.float32)
+    top = y.max(axis=-1, keepdims=True)
+    x = x.astype(mx.float32)
+    limit = (x - x.max(axis=-1, keepdims=True)) * scale
+    return mx.where(mx.isfinite(top), y - top, limit)
 
 
 def filters(params: SamplingParams, vocab: int) -> bool:
-    """Whether top-p, min-p or top-k removes anything (else the scaled logits need no log-softmax)."""
+    """Whether top-p, min-p or top-k may remove anything."""
     return params.top_p < 1.0 or params.min_p > 0 or 0 < params.top_k < vocab
 
 

@@ -177,6 +177,32 @@ def test_probs_equal_mlx_lm_chain_at_edge_values(temperature, top_p, min_p, keep
         assert mx.allclose(ours, theirs, atol=1e-6).item(), top_k
 
 
+@pytest.mark.parametrize(
+    "temperature,top_p,top_k,min_p,keep",
+    [(1.0, 1.0, 1, 0.0, 1), (1e-6, 1.0, 0, 0.0, 1), (0.7, 0.5, 0, 0.0, 1), (1.0, 1.0, 0, 0.9, 1),
+     (1.0, 1.0, 0, 0.5, 3), (1.3, 0.95, 20, 0.0, 1), (1.0, 1.0, 0, 0.0, 1)],
+)
+def test_probs_on_bfloat16_logits_cut_as_mlx_lm(temperature, top_p, top_k, min_p, keep):
+    """bfloat16 logits (a bfloat16 target's): mlx-lm's generate_step takes logits - logsumexp in
+    bfloat16, where near-flat rows' close logits round to one log-prob, and its sampler cuts and
+    tempers those in bfloat16 (log-prob times 1 / temperature rounded there). The same tokens
+    survive (top-k 1: the lower id of a rounded pair; a tiny temperature: all of the rounded
+    top), with the same probabilities to 1e-6."""
+    x = mx.random.normal((32, 2000), key=mx.random.key(31))
+    logits = mx.concatenate([x * 0.3, x * 1e-3, x * 3 + 10]).astype(mx.bfloat16)
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # bfloat16, as generate_step has it
+    if top_p < 1:
+        lp = apply_top_p(lp, top_p)
+    if min_p:
+        lp = apply_min_p(lp, min_p, keep)
+    if top_k:
+        lp = apply_top_k(lp, top_k)
+    theirs = mx.softmax((lp * (1.0 / temperature)).astype(mx.float32), axis=-1)
+    ours = sampling.probs(logits, SamplingParams(temperature, top_p, top_k, min_p=min_p, min_tokens_to_keep=keep))
+    assert mx.array_equal(ours > 0, theirs > 0)
+    assert (0.5 * mx.abs(ours - theirs).sum(axis=-1)).max().item() < 1e-6
+
+
 @pytest.mark.parametrize("min_p,keep", [(0.0, 1), (0.3, 1), (0.6, 6)])
 def test_make_sampler_draws_from_our_probs(min_p, keep):
     """mlx-lm's own sampler, drawn 200k times, matches our p (chi-square, pooled cells)."""
@@ -379,3 +405,21 @@ def test_tiny_temperature_run_is_the_greedy_run(pairs):
         cold, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, 24, verify_window=window,
                              temperature=1e-38, seed=1)
         assert cold.token_ids == greedy.token_ids, window
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bfloat16_target_top_k_1_is_mlx_lm_sampler(tiny_dirs, arch):
+    """End to end on a bfloat16 target: temperature 1 with top-k 1 is deterministic in mlx-lm
+    (its sampler keeps the lower id of two log-probs that round to one), and DFlash's sampled
+    ids (speculative sampling over the random draft) equal mlx-lm's generate_step with
+    make_sampler(1.0, top_k=1), prompt after prompt."""
+    from dflash.engine.loading import load_pair
+
+    pair = load_pair(tiny_dirs[arch], tiny_dirs[arch] / "draft")  # not the shared fp32 fixture
+    pair.target.model.set_dtype(mx.bfloat16)
+    eos = set(pair.tokenizer.eos_token_ids)
+    for seed in range(12):
+        ids = mx.random.randint(0, 400, (8,), key=mx.random.key(seed)).tolist()
+        ref = cut_at_eos(greedy_reference(pair.target.model, ids, 40, sampler=make_sampler(1.0, top_k=1)), eos)
+        final, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, 40, temperature=1.0, top_k=1, seed=seed)
+        assert final.token_ids == ref, f"{arch}: diverged from mlx-lm's sampler (bfloat16) on {ids}"
