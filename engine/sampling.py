@@ -98,7 +98,16 @@ def log_probs(logits: mx.array) -> mx.array:
 
 def greedy_ids(logits: mx.array) -> mx.array:
     """The target's greedy ids (int32) over the last axis, as mlx-lm's greedy sampler picks them:
-    the argmax of the log-probs (the lower id of two that round to one), not of the logits."""
+    the argmax of the log-probs (the lower id of two that round to one), not of the logits.
+
+    Float32 logits take their own argmax: there the subtraction can make one log-prob of two
+    logits only within about one float32 step of each other, closer than the verify's batched
+    forward and a decode step already differ (tests/test_near_ties.py), and the log-sum-exp over
+    the vocabulary would cost a CPU's 16-row verify ~12 ms (the LM head ~27 ms; MLX's CPU exp is
+    ~25 ns an element) and every plain step ~1.2 ms. In bfloat16 a step is 1/128 of the value,
+    so flat rows round to ties often (tiny bf16 llama: 9 of 12 prompts parted within 40 tokens)."""
+    if logits.dtype == mx.float32:
+        return mx.argmax(logits, axis=-1).astype(mx.int32)
     return mx.argmax(log_probs(logits), axis=-1).astype(mx.int32)
 
 
@@ -163,8 +172,13 @@ def scaled_logits(logits: mx.array, params: SamplingParams) -> mx.array:
     Where a temperature is so small that the top overflows (the scale capped at float32's
     largest, 0 * inf made no NaN), the shift comes first: p is then the T -> 0 limit, the
     argmax and its ties, where mlx-lm's own draw would be garbage."""
-    x = filter_logprobs(logits, params) if filters(params, logits.shape[-1]) else log_probs(logits)
     scale = min(1.0 / params.temperature, F32_MAX)
+    filtered = filters(params, logits.shape[-1])
+    if logits.dtype == mx.float32 and not filtered:
+        # nothing to round and nothing cut: the shifted logits have the softmax of the
+        # log-probs', without the log-sum-exp over the vocabulary (greedy_ids: its CPU cost)
+        return (logits - logits.max(axis=-1, keepdims=True)) * scale
+    x = filter_logprobs(logits, params) if filtered else log_probs(logits)
     y = (x * scale).astype(mx.float32)
     top = y.max(axis=-1, keepdims=True)
     x = x.astype(mx.float32)
