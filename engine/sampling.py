@@ -171,13 +171,16 @@ def scaled_logits(logits: mx.array, params: SamplingParams) -> mx.array:
     bfloat16 the scale itself rounds: 1 / 0.7 is 1.4297 there), then shifted so the top is 0.
     Where a temperature is so small that the top overflows (the scale capped at float32's
     largest, 0 * inf made no NaN), the shift comes first: p is then the T -> 0 limit, the
-    argmax and its ties, where mlx-lm's own draw would be garbage."""
+    argmax and its ties, where mlx-lm's own draw would be garbage. Float32 logits are shifted
+    first always, and not normalised when nothing is cut (the same softmax)."""
     scale = min(1.0 / params.temperature, F32_MAX)
     filtered = filters(params, logits.shape[-1])
-    if logits.dtype == mx.float32 and not filtered:
-        # nothing to round and nothing cut: the shifted logits have the softmax of the
-        # log-probs', without the log-sum-exp over the vocabulary (greedy_ids: its CPU cost)
-        return (logits - logits.max(axis=-1, keepdims=True)) * scale
+    if logits.dtype == mx.float32:
+        # Nothing rounds here as a narrower dtype would: shift, then scale (fewer passes over
+        # the vocabulary); with nothing cut the shifted logits have the log-probs' softmax,
+        # without the log-sum-exp (greedy_ids: its CPU cost)
+        x = filter_logprobs(logits, params) if filtered else logits
+        return (x - x.max(axis=-1, keepdims=True)) * scale
     x = filter_logprobs(logits, params) if filtered else log_probs(logits)
     y = (x * scale).astype(mx.float32)
     top = y.max(axis=-1, keepdims=True)
