@@ -103,11 +103,13 @@ def run(model: str, draft: str, tokens: int, repeats: int, every: int, dtype: st
                    "ttft_ms": [round(r["ttft_ms"], 2) for r in v], "cached_tokens": v[0]["cached_tokens"]}
                for k, v in rows.items()}
     finally:
-        for pc in made:
-            pc.close()
-        proc.terminate()
-        proc.wait(30)
-        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            for pc in made:
+                pc.close(timeout=10)
+        finally:  # the cache process goes whatever a close() did
+            proc.terminate()
+            proc.wait(30)
+            shutil.rmtree(tmp, ignore_errors=True)
     base = out["cold_no_cache"]["ttft_ms_median"]
     return {
         "model": model, "draft": draft, "dtype": dtype, "prompt_tokens": tokens, "snapshot_every": every,

@@ -666,9 +666,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--endpoint", required=True, help="ZeroMQ endpoint to bind, e.g. ipc://...")
     p.add_argument("--size-limit", type=int, default=DEFAULT_SIZE_LIMIT, help="snapshot bytes")
     p.add_argument("--log-level", default=os.environ.get("DFLASH_CACHE_LOG", "WARNING"))
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack to the log
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: every thread's stack to the log
     run(args.dir, args.endpoint, args.size_limit)
 
 

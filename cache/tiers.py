@@ -252,7 +252,8 @@ class PrefixCache:
         leaves only the writer's client resting, and a ping through the lookups' alone would
         answer True. The writer's ping is also a barrier on the writes' own socket."""
         self.wait_writes()
-        return self.l2 is not None and self._writer.ping() and self.l2.ping()
+        l2 = self.l2  # one read: close() clears it
+        return l2 is not None and self._writer.ping() and l2.ping()
 
     def close(self, timeout: float | None = 30.0) -> bool:
         """Finish the queued L2 writes, then stop the writer thread and close both clients (the
@@ -272,11 +273,11 @@ class PrefixCache:
     def stats(self, remote: bool = False) -> dict[str, Any]:
         """Counters per tier; remote=True also asks the cache process for its own (and notes
         which store answered, like any other reply)."""
-        r = None
-        if remote and self.l2 is not None:
+        r, l2 = None, self.l2  # one read: close() clears it
+        if remote and l2 is not None:
             with self._lock:
                 epoch = self._marks.epoch
-            r = self.l2.stats()
+            r = l2.stats()
         with self._lock:  # one consistent set, copied: the counters go on changing after
             if r is not None:
                 self._marks.store_seen(r.get("store"), epoch)
@@ -285,7 +286,7 @@ class PrefixCache:
         if r is not None:
             out["l2"].update(bytes=r["bytes"], entries=r["entries"], evictions=r["evictions"])
             out["l2_remote"] = r
-        out["l2_available"] = self.l2 is not None and self.l2.available
+        out["l2_available"] = l2 is not None and l2.available
         return out
 
     # --- internals -------------------------------------------------------------------------

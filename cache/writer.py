@@ -88,12 +88,13 @@ class L2Writer:
                 self._write_failed(key, entry)
             return
         with self.lock:
-            self._start()
-            # closed since the claim: the writer thread may have stopped, so nothing is queued
+            # closed since the claim: the writer thread may have stopped (or never started: none
+            # is started now, close() would not end it), so nothing is queued
             full = self.closed or self.queued_puts >= self.max_pending_writes
             if full:
                 self._write_failed(key, entry)
             else:
+                self._start()
                 self.queued_puts += 1
                 self.queue.put_nowait(("put", key, body, entry))  # under the lock: never behind close()'s stop
 

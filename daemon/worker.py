@@ -675,6 +675,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default=None, help="TOML file (then env vars apply)")
     ap.add_argument("--config-json", default=None, help="a fully resolved config (from the supervisor)")
     args = ap.parse_args(argv)
+    # `kill -USR1 <worker pid>` writes every thread's Python stack to the log: how a stop that
+    # hangs, or a job that never ends, is diagnosed on a live daemon. First, so that no moment
+    # of the worker's life (loading included) is ended by the signal's default action.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     paths.private_umask()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker[%(process)d] %(levelname)s %(message)s")
     try:
@@ -697,9 +701,6 @@ def main(argv: list[str] | None = None) -> int:
         write_exit_reason(f"another worker is running for {run_dir}")
         return 3
     worker = Worker(cfg)
-    # `kill -USR1 <worker pid>` writes every thread's Python stack to the log: how a stop that
-    # hangs, or a job that never ends, is diagnosed on a live daemon.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stop.set())  # only sets state; the loop notices
     (run_dir / "worker.pid").write_text(str(os.getpid()))

@@ -180,13 +180,20 @@ def scaled_logits(logits: mx.array, params: SamplingParams) -> mx.array:
         # the vocabulary); with nothing cut the shifted logits have the log-probs' softmax,
         # without the log-sum-exp (greedy_ids: its CPU cost)
         x = filter_logprobs(logits, params) if filtered else logits
-        return (x - x.max(axis=-1, keepdims=True)) * scale
+        return _times(x - x.max(axis=-1, keepdims=True), scale)
     x = filter_logprobs(logits, params) if filtered else log_probs(logits)
-    y = (x * scale).astype(mx.float32)
+    y = _times(x, scale).astype(mx.float32)
     top = y.max(axis=-1, keepdims=True)
     x = x.astype(mx.float32)
-    limit = (x - x.max(axis=-1, keepdims=True)) * scale
+    limit = _times(x - x.max(axis=-1, keepdims=True), scale)
     return mx.where(mx.isfinite(top), y - top, limit)
+
+
+def _times(x: mx.array, scale: float) -> mx.array:
+    """x * scale, cut tokens (-inf) kept at -inf: a temperature so large that its scale rounds to
+    0 (1e300 is a valid temperature) made -inf * 0 = NaN and the whole row NaN; now the T -> inf
+    limit, uniform over the tokens kept."""
+    return mx.where(x == -mx.inf, x, x * scale)
 
 
 def filters(params: SamplingParams, vocab: int) -> bool:

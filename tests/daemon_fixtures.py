@@ -41,18 +41,19 @@ def wait_until(pred, timeout: float = 30.0, what: str = "condition", poll_s: flo
 
 
 def lock_holders(path: Path) -> list[int]:
-    """The pids that hold a flock on `path` (Linux: /proc/locks names the file by its inode)."""
+    """The pids that hold a lock on `path` (Linux: /proc/locks names the file MAJ:MIN:INODE)."""
     try:
-        ino = os.stat(path).st_ino
+        st = os.stat(path)
         rows = Path("/proc/locks").read_text().splitlines()
     except OSError:
         return []
+    name = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     pids = []
     for row in rows:
         f = row.split()
-        if "->" in f:  # a waiter's row: "1: -> FLOCK ..."
-            f.remove("->")
-        if len(f) > 5 and f[5].rsplit(":", 1)[-1] == str(ino):
+        if "->" in f:  # a waiter's row ("1: -> FLOCK ..."), not a holder
+            continue
+        if len(f) > 5 and f[5] == name and f[4].isdigit() and int(f[4]) > 0:
             pids.append(int(f[4]))
     return pids
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 
+from dflash.cache.l1 import L1Entry
 from dflash.cache.tiers import PrefixCache
 from dflash.engine.prefix import Snapshot
 from test_cache_threads import WHOLE, _ident, _snapshot
@@ -84,3 +85,21 @@ def test_a_write_and_a_delete_claimed_before_close_but_sent_after_are_not_left_q
     assert pc._writer.queue.qsize() == 0 and pc.wait_writes(timeout=5) is True
     assert not late.pending and pc.stats()["l2_dropped_writes"] == 1  # counted, spilled again if evicted
     assert "snap:late" not in pc._writer.deleting
+
+
+def test_a_write_claimed_before_the_first_thread_and_sent_after_close_starts_none(pairs, cache_proc):  # noqa: F811
+    """No writer thread yet: a write claimed, then close() (nothing to stop), then sent. The send
+    started a thread that nobody would end, and a second close() waited out its whole timeout."""
+    pair = pairs("qwen3")
+    snap = _snapshot(pair, 24)
+    proc = cache_proc()
+    pc = PrefixCache(_ident(), Snapshot.decode, proc.client(timeout_s=30.0), every=WHOLE)
+    entry = L1Entry(snap.n_tokens, snap, snap.nbytes)
+    before = _writers()
+    with pc._lock:
+        assert pc._writer.claim(entry)
+    assert pc.close(timeout=5) is True
+    pc._writer.send("snap:y", entry)
+    assert _writers() == before and pc._writer.thread is None
+    assert not entry.pending and pc.stats()["l2_dropped_writes"] == 1
+    assert pc.close(timeout=0.5) is True

@@ -423,3 +423,14 @@ def test_bfloat16_target_top_k_1_is_mlx_lm_sampler(tiny_dirs, arch):
         ref = cut_at_eos(greedy_reference(pair.target.model, ids, 40, sampler=make_sampler(1.0, top_k=1)), eos)
         final, _ = run_dflash(pair.target, pair.drafter, pair.tokenizer, ids, 40, temperature=1.0, top_k=1, seed=seed)
         assert final.token_ids == ref, f"{arch}: diverged from mlx-lm's sampler (bfloat16) on {ids}"
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_huge_temperature_is_uniform_over_the_kept_tokens_not_nan(dtype):
+    """temperature 1e300 is valid, and its scale rounds to 0: a cut (-inf) token times 0 was NaN,
+    and so was the whole row (the draw and the acceptance then garbage). Now the T -> inf limit."""
+    logits = mx.array([[1.0, 2.0, 3.0, -mx.inf, 0.5]]).astype(dtype)
+    p = sampling.probs(logits, SamplingParams(temperature=1e300, top_k=2))
+    assert p.tolist() == [[0.0, 0.5, 0.5, 0.0, 0.0]]
+    p = sampling.probs(logits, SamplingParams(temperature=1e300))  # nothing cut, one -inf logit
+    assert p.tolist() == [[0.25, 0.25, 0.25, 0.0, 0.25]]
