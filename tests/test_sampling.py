@@ -156,6 +156,17 @@ def _edge_rows() -> mx.array:
                            x.at[:, 3].add(1e30).at[:, 7].add(1e30), x * 1e-3])
 
 
+
+def _mlx_lm_cuts(lp: mx.array, top_p: float, min_p: float, keep: int, top_k: int) -> mx.array:
+    """mlx-lm's own cuts, in make_sampler's order: top-p, then min-p, then top-k."""
+    if top_p < 1:
+        lp = apply_top_p(lp, top_p)
+    if min_p:
+        lp = apply_min_p(lp, min_p, keep)
+    if top_k:
+        lp = apply_top_k(lp, top_k)
+    return lp
+
 @pytest.mark.parametrize("temperature", [1e-6, 0.7, 1e6])
 @pytest.mark.parametrize("top_p", [1.0, 0.999999, 0.5, 1e-9])
 @pytest.mark.parametrize("min_p,keep", [(0.0, 1), (1e-9, 1), (0.1, 2), (1.0, 5), (0.5, 299), (0.5, 300)])
@@ -164,13 +175,7 @@ def test_probs_equal_mlx_lm_chain_at_edge_values(temperature, top_p, min_p, keep
     the very tokens and their probabilities: one-step, float32, to 1e-6."""
     logits = _edge_rows()
     for top_k in (0, 1, 2, 50, 299):
-        lp = _logprobs(logits)
-        if top_p < 1:
-            lp = apply_top_p(lp, top_p)
-        if min_p:
-            lp = apply_min_p(lp, min_p, keep)
-        if top_k:
-            lp = apply_top_k(lp, top_k)
+        lp = _mlx_lm_cuts(_logprobs(logits), top_p, min_p, keep, top_k)
         theirs = mx.softmax(lp * (1.0 / temperature), axis=-1)
         ours = sampling.probs(logits, SamplingParams(temperature, top_p, top_k, min_p=min_p, min_tokens_to_keep=keep))
         assert mx.array_equal(ours > 0, theirs > 0), top_k
@@ -191,12 +196,7 @@ def test_probs_on_bfloat16_logits_cut_as_mlx_lm(temperature, top_p, top_k, min_p
     x = mx.random.normal((32, 2000), key=mx.random.key(31))
     logits = mx.concatenate([x * 0.3, x * 1e-3, x * 3 + 10]).astype(mx.bfloat16)
     lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # bfloat16, as generate_step has it
-    if top_p < 1:
-        lp = apply_top_p(lp, top_p)
-    if min_p:
-        lp = apply_min_p(lp, min_p, keep)
-    if top_k:
-        lp = apply_top_k(lp, top_k)
+    lp = _mlx_lm_cuts(lp, top_p, min_p, keep, top_k)
     theirs = mx.softmax((lp * (1.0 / temperature)).astype(mx.float32), axis=-1)
     ours = sampling.probs(logits, SamplingParams(temperature, top_p, top_k, min_p=min_p, min_tokens_to_keep=keep))
     assert mx.array_equal(ours > 0, theirs > 0)
